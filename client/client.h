@@ -1,0 +1,106 @@
+// kvstep::Client: a typed C++ client for the kvstep.v1.KvStep service, for a
+// scheduler to link.
+//
+// One method per RPC; each call gets a deadline (the client's default or the
+// one passed) and returns absl::StatusOr with the server's canonical code and
+// message. The client remembers the server_instance_id of the last reply: a
+// change means the server restarted and its sequences and batches are gone.
+// Thread-safe: calls may be made concurrently from many threads.
+#ifndef KVSTEP_CLIENT_CLIENT_H_
+#define KVSTEP_CLIENT_CLIENT_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "kvstep/v1/kvstep.grpc.pb.h"
+
+namespace kvstep {
+
+struct ClientOptions {
+  // Deadline of each call unless the call passes its own.
+  absl::Duration timeout = absl::Seconds(10);
+  int max_message_bytes = 64 << 20;
+};
+
+class Client {
+ public:
+  // Creates a channel to `target` ("host:port" or "unix:PATH"); does not
+  // wait for the server (see WaitForReady).
+  static std::unique_ptr<Client> Connect(const std::string& target,
+                                         const ClientOptions& options = {});
+  Client(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options);
+
+  // Blocks until the channel is connected or `timeout` passes
+  // (DEADLINE_EXCEEDED).
+  absl::Status WaitForReady(absl::Duration timeout);
+
+  // A zero timeout means options.timeout.
+  absl::StatusOr<v1::GetServerInfoResponse> GetServerInfo(
+      absl::Duration timeout = absl::ZeroDuration());
+  absl::StatusOr<v1::AllocateBlocksResponse> AllocateBlocks(
+      const v1::AllocateBlocksRequest& req,
+      absl::Duration timeout = absl::ZeroDuration());
+  // Convenience: (seq_id, num_tokens) pairs.
+  absl::StatusOr<v1::AllocateBlocksResponse> AllocateBlocks(
+      absl::Span<const std::pair<uint64_t, int64_t>> seqs,
+      absl::Duration timeout = absl::ZeroDuration());
+  absl::StatusOr<v1::FreeSequencesResponse> FreeSequences(
+      absl::Span<const uint64_t> seq_ids,
+      absl::Duration timeout = absl::ZeroDuration());
+  absl::StatusOr<v1::CreateBatchResponse> CreateBatch(
+      const v1::CreateBatchRequest& req,
+      absl::Duration timeout = absl::ZeroDuration());
+  absl::StatusOr<v1::GetBatchResponse> GetBatch(
+      uint64_t batch_id, absl::Duration timeout = absl::ZeroDuration());
+  absl::StatusOr<v1::ReleaseBatchesResponse> ReleaseBatches(
+      absl::Span<const uint64_t> batch_ids,
+      absl::Duration timeout = absl::ZeroDuration());
+  absl::StatusOr<v1::AdvanceStepResponse> AdvanceStep(
+      const v1::AdvanceStepRequest& req,
+      absl::Duration timeout = absl::ZeroDuration());
+  absl::StatusOr<v1::PagedAttentionResponse> PagedAttention(
+      const v1::PagedAttentionRequest& req,
+      absl::Duration timeout = absl::ZeroDuration());
+
+  // The standard grpc.health.v1 check of the KvStep service: true when
+  // SERVING.
+  absl::StatusOr<bool> IsServing(absl::Duration timeout = absl::ZeroDuration());
+
+  // server_instance_id of the latest reply that carried one ("" before).
+  std::string instance_id() const;
+  // True once a reply carried an instance id different from an earlier one.
+  bool server_restarted() const;
+
+ private:
+  template <typename Resp, typename Call>
+  absl::StatusOr<Resp> Invoke(absl::Duration timeout, Call&& call);
+  void NoteInstance(const std::string& id);
+
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::KvStep::Stub> stub_;
+  const ClientOptions options_;
+  mutable absl::Mutex mu_;
+  std::string instance_id_ ABSL_GUARDED_BY(mu_);
+  bool restarted_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// Tensor helpers for schedulers: int64 values to a wire tensor of `dtype`
+// (INT32 or INT64), and any INT32/INT64 wire tensor back to int64 values.
+v1::Tensor MakeIndexTensor(absl::Span<const int64_t> values,
+                           std::vector<int64_t> shape,
+                           v1::DType dtype = v1::DTYPE_INT64);
+absl::StatusOr<std::vector<int64_t>> IndexTensorValues(const v1::Tensor& t);
+
+}  // namespace kvstep
+
+#endif  // KVSTEP_CLIENT_CLIENT_H_

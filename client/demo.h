@@ -1,0 +1,32 @@
+// RunDemo: a small scheduler loop against a kvstep server, the project's
+// main job. It allocates blocks for a few prompts, creates their prefill
+// batch, then runs decode steps (grow blocks, AdvanceStep with sampled
+// tokens) and prints what happened and how long every call took, next to a
+// bare GetServerInfo round trip measured in the same run. It ends by freeing
+// everything and checking that every block came back.
+#ifndef KVSTEP_CLIENT_DEMO_H_
+#define KVSTEP_CLIENT_DEMO_H_
+
+#include <cstdint>
+#include <ostream>
+
+#include "absl/status/status.h"
+#include "client/client.h"
+
+namespace kvstep {
+
+struct DemoOptions {
+  int64_t num_seqs = 5;
+  int64_t prompt_len = 195;  // seed 003's five 195-token prompts
+  int64_t steps = 8;
+  uint64_t first_seq_id = 1000;
+  int64_t ping_rounds = 200;  // for the latency baseline
+  uint64_t seed = 1;
+};
+
+absl::Status RunDemo(Client& client, const DemoOptions& options,
+                     std::ostream& out);
+
+}  // namespace kvstep
+
+#endif  // KVSTEP_CLIENT_DEMO_H_

@@ -1,0 +1,171 @@
+// Engine: everything one kvstep server owns (the KV cache, its block
+// allocator, the sequences and the batches) behind one API that the gRPC
+// service adapts one-to-one. No gRPC in here: errors are absl::Status with
+// the canonical code the service passes through.
+//
+// Invariants kept across every call:
+//   * a block is free, or owned by exactly the sequences that list it;
+//   * a batch's block_tables rows mirror its sequences' tables (up to the
+//     batch's width), because AllocateBlocks updates the live batches;
+//   * a batch whose sequence was freed cannot advance (its row is stale), so
+//     a step can never compute slots in a block that went back to the pool;
+//   * a rejected call changes nothing.
+//
+// Thread-safe: every method may be called from any thread. One mutex guards
+// all state; each call holds it for microseconds (no I/O under the lock).
+#ifndef KVSTEP_CORE_ENGINE_H_
+#define KVSTEP_CORE_ENGINE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+#include "core/advance_step.h"
+#include "core/batch.h"
+#include "core/block_allocator.h"
+#include "core/kv_cache.h"
+#include "core/sequence_manager.h"
+
+namespace kvstep {
+
+struct EngineLimits {
+  int64_t max_seq_len = 32768;
+  int64_t max_batch_rows = 1024;
+  int64_t max_batch_tokens = 65536;
+  int64_t max_sequences = 65536;
+  int64_t max_batches = 256;
+  int64_t max_cache_bytes = int64_t{16} << 30;
+};
+
+struct EngineOptions {
+  CacheConfig cache;
+  BlockOrder block_order = BlockOrder::kDescending;
+  EngineLimits limits;
+  Device* device = nullptr;  // the CPU device when null
+};
+
+struct EngineInfo {
+  std::string instance_id;
+  std::string version;
+  CacheConfig cache;
+  EngineLimits limits;
+  BlockOrder block_order;
+  int64_t free_blocks = 0;
+  int64_t num_sequences = 0;
+  int64_t num_batches = 0;
+};
+
+struct SequenceBlocks {
+  SeqId seq_id = 0;
+  std::vector<BlockId> new_blocks;
+  std::vector<BlockId> block_table;
+  bool created = false;
+};
+
+struct AllocateResult {
+  std::vector<SequenceBlocks> sequences;
+  int64_t free_blocks = 0;
+};
+
+struct FreeResult {
+  std::vector<SeqId> freed;
+  std::vector<SeqId> unknown;
+  int64_t blocks_freed = 0;
+  int64_t free_blocks = 0;
+  std::vector<BatchId> stale_batches;
+};
+
+// A consistent copy of a batch's state.
+struct BatchSnapshot {
+  BatchTensors tensors;
+  BatchMeta meta;
+  std::vector<SeqId> seq_ids;
+  int64_t step = 0;
+};
+
+struct CreateBatchResult {
+  BatchId batch_id = 0;
+  std::vector<BatchId> released;
+  BatchSnapshot snapshot;  // filled when asked for
+};
+
+struct ReleaseResult {
+  std::vector<BatchId> released;
+  std::vector<BatchId> unknown;
+};
+
+struct AdvanceResult {
+  int64_t step = 0;
+  BatchSnapshot snapshot;  // filled when asked for
+  FlashInferOutputs flashinfer;
+};
+
+class Engine {
+ public:
+  // Validates the options and allocates (and pre-touches) the KV cache.
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(
+      const EngineOptions& options);
+
+  // A random id, new at every Create(): a changed id tells a client the
+  // server restarted.
+  const std::string& instance_id() const { return instance_id_; }
+  const CacheConfig& cache_config() const { return cache_->config(); }
+  const KvCache& cache() const { return *cache_; }
+  EngineInfo Info() const;
+
+  absl::StatusOr<AllocateResult> AllocateBlocks(
+      absl::Span<const SequenceRequest> requests);
+  FreeResult FreeSequences(absl::Span<const SeqId> ids);
+
+  // Creates a batch; then, only if that succeeded, releases `release`
+  // (unknown ids there are INVALID_ARGUMENT, checked first).
+  absl::StatusOr<CreateBatchResult> CreateBatch(
+      const BatchSpec& spec, absl::Span<const BatchId> release,
+      bool want_tensors);
+  absl::StatusOr<BatchSnapshot> GetBatch(BatchId id) const;
+  ReleaseResult ReleaseBatches(absl::Span<const BatchId> ids);
+
+  // Server-held AdvanceStep: advances the batch and keeps its sequences'
+  // token counts in step.
+  absl::StatusOr<AdvanceResult> AdvanceStep(BatchId id, const AdvanceInput& in,
+                                            bool want_tensors,
+                                            bool flashinfer);
+
+  // Explicit AdvanceStep: the op on caller-owned tensors, with block ids
+  // checked against this pool. Touches no engine state (needs no lock).
+  absl::Status AdvanceStepExplicit(AdvanceStepArgs args, StepState* state,
+                                   FlashInferOutputs* flashinfer) const;
+
+  // Audits the invariants (for tests): every block free or owned with the
+  // right reference count, every batch row mirroring its sequence.
+  absl::Status CheckInvariants() const;
+
+ private:
+  Engine(const EngineOptions& options, std::unique_ptr<KvCache> cache);
+
+  absl::StatusOr<BatchSnapshot> Snapshot(const Batch& b) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseLocked(BatchId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const std::string instance_id_;
+  const EngineLimits limits_;
+  Device* const device_;
+  const std::unique_ptr<KvCache> cache_;
+
+  mutable absl::Mutex mu_;
+  BlockAllocator allocator_ ABSL_GUARDED_BY(mu_);
+  SequenceManager seqs_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<BatchId, std::unique_ptr<Batch>> batches_
+      ABSL_GUARDED_BY(mu_);
+  BatchId next_batch_id_ ABSL_GUARDED_BY(mu_) = 1;
+};
+
+}  // namespace kvstep
+
+#endif  // KVSTEP_CORE_ENGINE_H_

@@ -1,0 +1,111 @@
+#include "service/convert.h"
+
+#include <string>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvstep {
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
+                      std::string(status.message()));
+}
+
+DType DTypeFromProto(v1::DType dtype) {
+  const int v = static_cast<int>(dtype);
+  if (v < 1 || v > kMaxDType) return DType::kInvalid;
+  return static_cast<DType>(v);
+}
+
+v1::DType DTypeToProto(DType dtype) { return static_cast<v1::DType>(dtype); }
+
+absl::StatusOr<Tensor> TensorFromProto(const v1::Tensor& proto, bool present,
+                                       absl::string_view field) {
+  if (!present) return Tensor();
+  const DType dtype = DTypeFromProto(proto.dtype());
+  if (dtype == DType::kInvalid) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": dtype is missing or unknown (",
+                     static_cast<int>(proto.dtype()), ")"));
+  }
+  if (proto.shape_size() > 8) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": rank ", proto.shape_size(), " is above 8"));
+  }
+  Shape shape(proto.shape().begin(), proto.shape().end());
+  absl::StatusOr<Tensor> t = Tensor::FromHostBytes(
+      CpuDevice(), dtype, std::move(shape), proto.data().data(),
+      proto.data().size());
+  if (!t.ok()) {
+    return absl::Status(t.status().code(),
+                        absl::StrCat(field, ": ", t.status().message()));
+  }
+  return t;
+}
+
+void TensorToProto(const Tensor& tensor, v1::Tensor* proto) {
+  if (!tensor.defined()) return;
+  proto->set_dtype(DTypeToProto(tensor.dtype()));
+  proto->mutable_shape()->Assign(tensor.shape().begin(), tensor.shape().end());
+  proto->mutable_data()->assign(static_cast<const char*>(tensor.raw_data()),
+                                tensor.nbytes());
+}
+
+void SnapshotToProto(const BatchSnapshot& snap, v1::BatchTensors* p) {
+  const BatchTensors& t = snap.tensors;
+  TensorToProto(t.state.input_tokens, p->mutable_input_tokens());
+  TensorToProto(t.state.input_positions, p->mutable_input_positions());
+  TensorToProto(t.state.seq_lens, p->mutable_seq_lens());
+  TensorToProto(t.state.slot_mapping, p->mutable_slot_mapping());
+  TensorToProto(t.state.block_tables, p->mutable_block_tables());
+  TensorToProto(t.query_start_loc, p->mutable_query_start_loc());
+  TensorToProto(t.seq_start_loc, p->mutable_seq_start_loc());
+  TensorToProto(t.context_lens, p->mutable_context_lens());
+  const BatchMeta& m = snap.meta;
+  p->set_num_seqs(m.num_seqs);
+  p->set_num_queries(m.num_queries);
+  p->set_num_prefills(m.num_prefills);
+  p->set_num_prefill_tokens(m.num_prefill_tokens);
+  p->set_num_decode_tokens(m.num_decode_tokens);
+  p->set_max_query_len(m.max_query_len);
+  p->set_max_prefill_seq_len(m.max_prefill_seq_len);
+  p->set_max_decode_seq_len(m.max_decode_seq_len);
+  p->mutable_seq_ids()->Assign(snap.seq_ids.begin(), snap.seq_ids.end());
+}
+
+void FlashInferToProto(const FlashInferOutputs& fi,
+                       v1::FlashInferTensors* p) {
+  TensorToProto(fi.paged_kv_indptr, p->mutable_paged_kv_indptr());
+  TensorToProto(fi.paged_kv_indices, p->mutable_paged_kv_indices());
+  TensorToProto(fi.paged_kv_last_page_len, p->mutable_paged_kv_last_page_len());
+  TensorToProto(fi.block_table_bound, p->mutable_block_table_bound());
+}
+
+void InfoToProto(const EngineInfo& info, int64_t max_message_bytes,
+                 v1::GetServerInfoResponse* p) {
+  p->set_server_instance_id(info.instance_id);
+  p->set_version(info.version);
+  v1::CacheGeometry* g = p->mutable_geometry();
+  g->set_num_blocks(info.cache.num_blocks);
+  g->set_block_size(info.cache.block_size);
+  g->set_num_layers(info.cache.num_layers);
+  g->set_num_kv_heads(info.cache.num_kv_heads);
+  g->set_head_size(info.cache.head_size);
+  g->set_cache_dtype(DTypeToProto(info.cache.dtype));
+  g->set_cache_layout(static_cast<v1::CacheLayout>(info.cache.layout));
+  g->set_bytes_per_block_per_layer(info.cache.bytes_per_block());
+  v1::ServerLimits* l = p->mutable_limits();
+  l->set_max_seq_len(info.limits.max_seq_len);
+  l->set_max_batch_rows(info.limits.max_batch_rows);
+  l->set_max_batch_tokens(info.limits.max_batch_tokens);
+  l->set_max_sequences(info.limits.max_sequences);
+  l->set_max_batches(info.limits.max_batches);
+  l->set_max_message_bytes(max_message_bytes);
+  p->set_free_blocks(info.free_blocks);
+  p->set_num_sequences(info.num_sequences);
+  p->set_num_batches(info.num_batches);
+  p->set_block_order(std::string(BlockOrderName(info.block_order)));
+}
+
+}  // namespace kvstep

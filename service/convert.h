@@ -1,0 +1,37 @@
+// Conversions between kvstep.v1 protos and core types, and absl::Status to
+// grpc::Status. Every conversion from the wire validates what it reads (dtype
+// in range, shape non-negative, byte length equal to the shape's) and names
+// the field in its error. Thread-safe: pure functions.
+#ifndef KVSTEP_SERVICE_CONVERT_H_
+#define KVSTEP_SERVICE_CONVERT_H_
+
+#include <grpcpp/support/status.h>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "core/engine.h"
+#include "core/tensor.h"
+#include "kvstep/v1/kvstep.pb.h"
+
+namespace kvstep {
+
+// absl and gRPC share the canonical codes; the message passes unchanged.
+grpc::Status ToGrpcStatus(const absl::Status& status);
+
+// An undefined Tensor when `present` is false; otherwise the decoded tensor
+// on the CPU device, or INVALID_ARGUMENT naming `field`.
+absl::StatusOr<Tensor> TensorFromProto(const v1::Tensor& proto, bool present,
+                                       absl::string_view field);
+void TensorToProto(const Tensor& tensor, v1::Tensor* proto);
+
+DType DTypeFromProto(v1::DType dtype);  // kInvalid when out of range
+v1::DType DTypeToProto(DType dtype);
+
+void SnapshotToProto(const BatchSnapshot& snap, v1::BatchTensors* proto);
+void FlashInferToProto(const FlashInferOutputs& fi, v1::FlashInferTensors* proto);
+void InfoToProto(const EngineInfo& info, int64_t max_message_bytes,
+                 v1::GetServerInfoResponse* proto);
+
+}  // namespace kvstep
+
+#endif  // KVSTEP_SERVICE_CONVERT_H_

@@ -1,0 +1,236 @@
+#include "service/kvstep_service.h"
+
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "service/convert.h"
+
+namespace kvstep {
+namespace {
+
+grpc::Status Invalid(const std::string& msg) {
+  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, msg);
+}
+
+// Index widths a batch may use: unspecified means the given default.
+absl::StatusOr<DType> IndexDType(v1::DType wire, DType fallback,
+                                 absl::string_view field) {
+  if (wire == v1::DTYPE_UNSPECIFIED) return fallback;
+  const DType d = DTypeFromProto(wire);
+  if (!IsIndexType(d)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s must be DTYPE_INT32 or DTYPE_INT64, got %d", field,
+        static_cast<int>(wire)));
+  }
+  return d;
+}
+
+}  // namespace
+
+grpc::Status KvStepService::GetServerInfo(grpc::ServerContext*,
+                                          const v1::GetServerInfoRequest*,
+                                          v1::GetServerInfoResponse* resp) {
+  InfoToProto(engine_->Info(), max_message_bytes_, resp);
+  return grpc::Status::OK;
+}
+
+grpc::Status KvStepService::AllocateBlocks(
+    grpc::ServerContext*, const v1::AllocateBlocksRequest* req,
+    v1::AllocateBlocksResponse* resp) {
+  std::vector<SequenceRequest> requests(req->sequences_size());
+  for (int i = 0; i < req->sequences_size(); ++i) {
+    requests[i].seq_id = req->sequences(i).seq_id();
+    requests[i].num_tokens = req->sequences(i).num_tokens();
+  }
+  absl::StatusOr<AllocateResult> r = engine_->AllocateBlocks(requests);
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  const int64_t bs = engine_->cache_config().block_size;
+  for (const SequenceBlocks& s : r->sequences) {
+    v1::SequenceBlocks* out = resp->add_sequences();
+    out->set_seq_id(s.seq_id);
+    out->mutable_new_block_ids()->Assign(s.new_blocks.begin(),
+                                         s.new_blocks.end());
+    out->mutable_block_table()->Assign(s.block_table.begin(),
+                                       s.block_table.end());
+    out->set_capacity_tokens(static_cast<int64_t>(s.block_table.size()) * bs);
+    out->set_created(s.created);
+  }
+  resp->set_free_blocks(r->free_blocks);
+  resp->set_server_instance_id(engine_->instance_id());
+  return grpc::Status::OK;
+}
+
+grpc::Status KvStepService::FreeSequences(grpc::ServerContext*,
+                                          const v1::FreeSequencesRequest* req,
+                                          v1::FreeSequencesResponse* resp) {
+  std::vector<SeqId> ids(req->seq_ids().begin(), req->seq_ids().end());
+  FreeResult r = engine_->FreeSequences(ids);
+  resp->mutable_freed_seq_ids()->Assign(r.freed.begin(), r.freed.end());
+  resp->mutable_unknown_seq_ids()->Assign(r.unknown.begin(), r.unknown.end());
+  resp->set_blocks_freed(r.blocks_freed);
+  resp->set_free_blocks(r.free_blocks);
+  resp->mutable_stale_batch_ids()->Assign(r.stale_batches.begin(),
+                                          r.stale_batches.end());
+  resp->set_server_instance_id(engine_->instance_id());
+  return grpc::Status::OK;
+}
+
+grpc::Status KvStepService::CreateBatch(grpc::ServerContext*,
+                                        const v1::CreateBatchRequest* req,
+                                        v1::CreateBatchResponse* resp) {
+  BatchSpec spec;
+  spec.rows.resize(req->rows_size());
+  for (int i = 0; i < req->rows_size(); ++i) {
+    const v1::BatchRow& r = req->rows(i);
+    BatchRowSpec& row = spec.rows[i];
+    row.seq_id = r.seq_id();
+    row.token_ids.assign(r.token_ids().begin(), r.token_ids().end());
+    row.num_cached_tokens = r.num_cached_tokens();
+    row.prefill = r.prefill();
+    row.skip_sampling = r.skip_sampling();
+  }
+  spec.num_padding_rows = req->num_padding_rows();
+  spec.block_table_width = req->block_table_width();
+  const std::tuple<v1::DType, DType, const char*, DType*> widths[] = {
+      {req->seq_lens_dtype(), DType::kInt32, "seq_lens_dtype",
+       &spec.seq_lens_dtype},
+      {req->block_tables_dtype(), DType::kInt32, "block_tables_dtype",
+       &spec.block_tables_dtype},
+      {req->slot_mapping_dtype(), DType::kInt64, "slot_mapping_dtype",
+       &spec.slot_mapping_dtype}};
+  for (const auto& [wire, fallback, field, out] : widths) {
+    absl::StatusOr<DType> d = IndexDType(wire, fallback, field);
+    if (!d.ok()) return ToGrpcStatus(d.status());
+    *out = *d;
+  }
+  std::vector<BatchId> release(req->release_batch_ids().begin(),
+                               req->release_batch_ids().end());
+  absl::StatusOr<CreateBatchResult> r =
+      engine_->CreateBatch(spec, release, req->return_tensors());
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  resp->set_batch_id(r->batch_id);
+  if (req->return_tensors()) SnapshotToProto(r->snapshot, resp->mutable_tensors());
+  resp->mutable_released_batch_ids()->Assign(r->released.begin(),
+                                             r->released.end());
+  resp->set_server_instance_id(engine_->instance_id());
+  return grpc::Status::OK;
+}
+
+grpc::Status KvStepService::GetBatch(grpc::ServerContext*,
+                                     const v1::GetBatchRequest* req,
+                                     v1::GetBatchResponse* resp) {
+  absl::StatusOr<BatchSnapshot> snap = engine_->GetBatch(req->batch_id());
+  if (!snap.ok()) return ToGrpcStatus(snap.status());
+  SnapshotToProto(*snap, resp->mutable_tensors());
+  resp->set_step(snap->step);
+  resp->set_server_instance_id(engine_->instance_id());
+  return grpc::Status::OK;
+}
+
+grpc::Status KvStepService::ReleaseBatches(grpc::ServerContext*,
+                                           const v1::ReleaseBatchesRequest* req,
+                                           v1::ReleaseBatchesResponse* resp) {
+  std::vector<BatchId> ids(req->batch_ids().begin(), req->batch_ids().end());
+  ReleaseResult r = engine_->ReleaseBatches(ids);
+  resp->mutable_released_batch_ids()->Assign(r.released.begin(),
+                                             r.released.end());
+  resp->mutable_unknown_batch_ids()->Assign(r.unknown.begin(), r.unknown.end());
+  resp->set_server_instance_id(engine_->instance_id());
+  return grpc::Status::OK;
+}
+
+grpc::Status KvStepService::AdvanceStep(grpc::ServerContext*,
+                                        const v1::AdvanceStepRequest* req,
+                                        v1::AdvanceStepResponse* resp) {
+  resp->set_server_instance_id(engine_->instance_id());
+  if (req->has_explicit_state()) {
+    if (req->batch_id() != 0) {
+      return Invalid(
+          "batch_id and explicit_state are exclusive: name a server-held "
+          "batch or send the whole state");
+    }
+    return AdvanceExplicit(*req, resp);
+  }
+  if (req->batch_id() == 0) {
+    return Invalid("batch_id is missing (or send explicit_state)");
+  }
+  AdvanceInput in;
+  const std::tuple<const v1::Tensor&, bool, const char*, Tensor*> tensors[] = {
+      {req->sampled_token_ids(), req->has_sampled_token_ids(),
+       "sampled_token_ids", &in.sampled_token_ids},
+      {req->spec_token(), req->has_spec_token(), "spec_token", &in.spec_token},
+      {req->accepted_num(), req->has_accepted_num(), "accepted_num",
+       &in.accepted_num}};
+  for (const auto& [proto, present, field, out] : tensors) {
+    absl::StatusOr<Tensor> t = TensorFromProto(proto, present, field);
+    if (!t.ok()) return ToGrpcStatus(t.status());
+    *out = *std::move(t);
+  }
+  absl::StatusOr<AdvanceResult> r = engine_->AdvanceStep(
+      req->batch_id(), in, req->return_tensors(), req->flashinfer());
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  resp->set_step(r->step);
+  if (req->return_tensors()) SnapshotToProto(r->snapshot, resp->mutable_tensors());
+  if (req->flashinfer()) FlashInferToProto(r->flashinfer, resp->mutable_flashinfer());
+  return grpc::Status::OK;
+}
+
+grpc::Status KvStepService::AdvanceExplicit(const v1::AdvanceStepRequest& req,
+                                            v1::AdvanceStepResponse* resp) {
+  const v1::ExplicitStepState& e = req.explicit_state();
+  AdvanceStepArgs args;
+  args.num_seqs = e.num_seqs();
+  args.num_queries = e.num_queries();
+  args.block_size = e.block_size();
+  StepState state;
+  const std::tuple<const v1::Tensor&, bool, const char*, Tensor*> tensors[] = {
+      {req.sampled_token_ids(), req.has_sampled_token_ids(),
+       "sampled_token_ids", &args.sampled_token_ids},
+      {req.spec_token(), req.has_spec_token(), "spec_token", &args.spec_token},
+      {req.accepted_num(), req.has_accepted_num(), "accepted_num",
+       &args.accepted_num},
+      {e.input_tokens(), e.has_input_tokens(), "explicit_state.input_tokens",
+       &state.input_tokens},
+      {e.input_positions(), e.has_input_positions(),
+       "explicit_state.input_positions", &state.input_positions},
+      {e.seq_lens(), e.has_seq_lens(), "explicit_state.seq_lens",
+       &state.seq_lens},
+      {e.slot_mapping(), e.has_slot_mapping(), "explicit_state.slot_mapping",
+       &state.slot_mapping},
+      {e.block_tables(), e.has_block_tables(), "explicit_state.block_tables",
+       &state.block_tables}};
+  for (const auto& [proto, present, field, out] : tensors) {
+    absl::StatusOr<Tensor> t = TensorFromProto(proto, present, field);
+    if (!t.ok()) return ToGrpcStatus(t.status());
+    *out = *std::move(t);
+  }
+  FlashInferOutputs fi;
+  if (absl::Status s = engine_->AdvanceStepExplicit(
+          args, &state, req.flashinfer() ? &fi : nullptr);
+      !s.ok()) {
+    return ToGrpcStatus(s);
+  }
+  v1::ExplicitStepState* out = resp->mutable_explicit_state();
+  out->set_num_seqs(e.num_seqs());
+  out->set_num_queries(e.num_queries());
+  out->set_block_size(e.block_size());
+  TensorToProto(state.input_tokens, out->mutable_input_tokens());
+  TensorToProto(state.input_positions, out->mutable_input_positions());
+  TensorToProto(state.seq_lens, out->mutable_seq_lens());
+  TensorToProto(state.slot_mapping, out->mutable_slot_mapping());
+  TensorToProto(state.block_tables, out->mutable_block_tables());
+  if (req.flashinfer()) FlashInferToProto(fi, resp->mutable_flashinfer());
+  return grpc::Status::OK;
+}
+
+grpc::Status KvStepService::PagedAttention(grpc::ServerContext*,
+                                           const v1::PagedAttentionRequest*,
+                                           v1::PagedAttentionResponse*) {
+  return grpc::Status(
+      grpc::StatusCode::UNIMPLEMENTED,
+      "PagedAttention is not implemented yet: reshape_and_cache and paged "
+      "attention over the pool are planned (kvstep issue 4)");
+}
+
+}  // namespace kvstep
