@@ -47,18 +47,18 @@ absl::Status Client::WaitForReady(absl::Duration timeout) {
 
 void Client::NoteInstance(const std::string& id) {
   if (id.empty()) return;
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (!instance_id_.empty() && instance_id_ != id) restarted_ = true;
   instance_id_ = id;
 }
 
 std::string Client::instance_id() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return instance_id_;
 }
 
 bool Client::server_restarted() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return restarted_;
 }
 
@@ -66,7 +66,8 @@ template <typename Resp, typename Call>
 absl::StatusOr<Resp> Client::Invoke(absl::Duration timeout, Call&& call) {
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(
-      absl::Now() + (timeout == absl::ZeroDuration() ? options_.timeout : timeout)));
+      absl::Now() +
+      (timeout == absl::ZeroDuration() ? options_.timeout : timeout)));
   Resp resp;
   grpc::Status s = call(&ctx, &resp);
   if (!s.ok()) return FromGrpc(s);
@@ -160,7 +161,8 @@ absl::StatusOr<bool> Client::IsServing(absl::Duration timeout) {
   auto health = grpc::health::v1::Health::NewStub(channel_);
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(
-      absl::Now() + (timeout == absl::ZeroDuration() ? options_.timeout : timeout)));
+      absl::Now() +
+      (timeout == absl::ZeroDuration() ? options_.timeout : timeout)));
   grpc::health::v1::HealthCheckRequest req;
   req.set_service("kvstep.v1.KvStep");
   grpc::health::v1::HealthCheckResponse resp;

@@ -19,9 +19,9 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "core/mutex.h"
 #include "kvstep/v1/kvstep.grpc.pb.h"
 
 namespace kvstep {
@@ -89,7 +89,7 @@ class Client {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KvStep::Stub> stub_;
   const ClientOptions options_;
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   std::string instance_id_ ABSL_GUARDED_BY(mu_);
   bool restarted_ ABSL_GUARDED_BY(mu_) = false;
 };

@@ -25,8 +25,8 @@ double Median(std::vector<double> v) {
 std::string Show(const v1::Tensor& t, size_t max_items = 8) {
   absl::StatusOr<std::vector<int64_t>> v = IndexTensorValues(t);
   if (!v.ok()) return "?";
-  std::string s = absl::StrJoin(v->begin(),
-                                v->begin() + std::min(max_items, v->size()), ", ");
+  std::string s = absl::StrJoin(
+      v->begin(), v->begin() + std::min(max_items, v->size()), ", ");
   if (v->size() > max_items) absl::StrAppend(&s, ", ... (", v->size(), ")");
   return "[" + s + "]";
 }
@@ -56,7 +56,8 @@ absl::Status RunDemo(Client& client, const DemoOptions& o, std::ostream& out) {
     want.emplace_back(ids.back(), o.prompt_len + 1);
   }
   absl::Time t = absl::Now();
-  absl::StatusOr<v1::AllocateBlocksResponse> alloc = client.AllocateBlocks(want);
+  absl::StatusOr<v1::AllocateBlocksResponse> alloc =
+      client.AllocateBlocks(want);
   if (!alloc.ok()) return alloc.status();
   out << absl::StrFormat("AllocateBlocks: %d sequences x %d tokens, %.0f us\n",
                          o.num_seqs, o.prompt_len + 1, Micros(t));
@@ -103,8 +104,8 @@ absl::Status RunDemo(Client& client, const DemoOptions& o, std::ostream& out) {
     for (int64_t& s : sampled) s = token(rng);
     v1::AdvanceStepRequest adv;
     adv.set_batch_id(batch->batch_id());
-    *adv.mutable_sampled_token_ids() = MakeIndexTensor(
-        sampled, {static_cast<int64_t>(sampled.size()), 1});
+    *adv.mutable_sampled_token_ids() =
+        MakeIndexTensor(sampled, {static_cast<int64_t>(sampled.size()), 1});
     adv.set_return_tensors(true);
     t = absl::Now();
     absl::StatusOr<v1::AdvanceStepResponse> r = client.AdvanceStep(adv);

@@ -1,10 +1,10 @@
 // kvstep-cli: talks to a kvstep server.
 //
 //   kvstep-cli [--target=ADDR] info
-//   kvstep-cli [--target=ADDR] allocate SEQ_ID NUM_TOKENS [SEQ_ID NUM_TOKENS ...]
-//   kvstep-cli [--target=ADDR] free SEQ_ID [SEQ_ID ...]
-//   kvstep-cli [--target=ADDR] health
-//   kvstep-cli [--target=ADDR] demo [--steps=N --num_seqs=N --prompt_len=N]
+//   kvstep-cli [--target=ADDR] allocate SEQ_ID NUM_TOKENS [SEQ_ID NUM_TOKENS
+//   ...] kvstep-cli [--target=ADDR] free SEQ_ID [SEQ_ID ...] kvstep-cli
+//   [--target=ADDR] health kvstep-cli [--target=ADDR] demo [--steps=N
+//   --num_seqs=N --prompt_len=N]
 #include <cstdio>
 #include <iostream>
 #include <string>

@@ -20,8 +20,8 @@ absl::Status CheckTensor(const Tensor& t, absl::string_view name,
   if (t.dtype() != DType::kInt64 &&
       !(allow_narrow && t.dtype() == DType::kInt32)) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "%s must be %s, got %s", name, allow_narrow ? "int32 or int64" : "int64",
-        DTypeName(t.dtype())));
+        "%s must be %s, got %s", name,
+        allow_narrow ? "int32 or int64" : "int64", DTypeName(t.dtype())));
   }
   if (t.shape() != want) {
     return absl::InvalidArgumentError(
@@ -68,34 +68,34 @@ class Stepper {
         }
         first = static_cast<int64_t>(seq_lens_[i]);
         if (first < 0) {
-          return Invalid(i, absl::StrFormat("seq_lens[%d] = %d is negative", i,
-                                            first));
+          return Invalid(
+              i, absl::StrFormat("seq_lens[%d] = %d is negative", i, first));
         }
       } else {
         const int64_t k = q_ - 1;
         const int64_t a = accepted_[i];
         if (a < 0 || a > k) {
-          return Invalid(i, absl::StrFormat(
-                                "accepted_num[%d] = %d is outside [0, %d]", i,
-                                a, k));
+          return Invalid(
+              i, absl::StrFormat("accepted_num[%d] = %d is outside [0, %d]", i,
+                                 a, k));
         }
         for (int64_t j = 0; j <= k; ++j) {
           if (sampled_[i * q_ + j] < 0) {
-            return Invalid(i, absl::StrFormat(
-                                  "sampled_token_ids[%d][%d] = %d is negative",
-                                  i, j, sampled_[i * q_ + j]));
+            return Invalid(
+                i, absl::StrFormat("sampled_token_ids[%d][%d] = %d is negative",
+                                   i, j, sampled_[i * q_ + j]));
           }
           if (j < k && spec_[i * k + j] < 0) {
-            return Invalid(i, absl::StrFormat(
-                                  "spec_token[%d][%d] = %d is negative", i, j,
-                                  spec_[i * k + j]));
+            return Invalid(
+                i, absl::StrFormat("spec_token[%d][%d] = %d is negative", i, j,
+                                   spec_[i * k + j]));
           }
         }
         const int64_t p0 = positions_[i * q_];
         if (p0 < 0) {
-          return Invalid(i, absl::StrFormat(
-                                "input_positions[%d][0] = %d is negative", i,
-                                p0));
+          return Invalid(
+              i, absl::StrFormat("input_positions[%d][0] = %d is negative", i,
+                                 p0));
         }
         first = p0 + 1 + a;
       }
@@ -112,7 +112,8 @@ class Stepper {
         if (auto s = SlotOf(i, first + j, &slot); !s.ok()) return s;
       }
       // Blocks FlashInfer will list for the row: ceil(new seq_len / bs).
-      flashinfer_total_ += (first + q_ + args_.block_size - 1) / args_.block_size;
+      flashinfer_total_ +=
+          (first + q_ + args_.block_size - 1) / args_.block_size;
     }
     if (flashinfer_total_ > MaxOf<int32_t>()) {
       return absl::OutOfRangeError(
@@ -130,7 +131,8 @@ class Stepper {
         {&out->paged_kv_last_page_len, n},
         {&out->block_table_bound, n}};
     for (const auto& [t, len] : outs) {
-      absl::StatusOr<Tensor> z = Tensor::Zeros(CpuDevice(), DType::kInt32, {len});
+      absl::StatusOr<Tensor> z =
+          Tensor::Zeros(CpuDevice(), DType::kInt32, {len});
       if (!z.ok()) return z.status();
       *t = *std::move(z);
     }
@@ -149,7 +151,8 @@ class Stepper {
         const int64_t a = accepted_[i];
         first = positions_[i * q_] + 1 + a;
         tokens_[i * q_] = sampled_[i * q_ + a];
-        for (int64_t j = 0; j < k; ++j) tokens_[i * q_ + 1 + j] = spec_[i * k + j];
+        for (int64_t j = 0; j < k; ++j)
+          tokens_[i * q_ + 1 + j] = spec_[i * k + j];
       }
       for (int64_t j = 0; j < q_; ++j) {
         int64_t slot = 0;
@@ -290,8 +293,7 @@ absl::Status CheckShapes(const AdvanceStepArgs& a, const StepState& s) {
           ShapeToString(a.spec_token.shape())));
     }
     q = 1 + a.spec_token.dim(1);
-    if (auto st = CheckTensor(a.spec_token, "spec_token", false,
-                              {n, q - 1});
+    if (auto st = CheckTensor(a.spec_token, "spec_token", false, {n, q - 1});
         !st.ok()) {
       return st;
     }
@@ -338,10 +340,10 @@ absl::Status CheckShapes(const AdvanceStepArgs& a, const StepState& s) {
       !st.ok()) {
     return st;
   }
-  for (const Tensor* t : {&s.input_tokens, &s.input_positions, &s.seq_lens,
-                          &s.slot_mapping, &s.block_tables,
-                          &a.sampled_token_ids, &a.spec_token,
-                          &a.accepted_num}) {
+  for (const Tensor* t :
+       {&s.input_tokens, &s.input_positions, &s.seq_lens, &s.slot_mapping,
+        &s.block_tables, &a.sampled_token_ids, &a.spec_token,
+        &a.accepted_num}) {
     if (t->defined() && !t->device()->host_accessible()) {
       return absl::UnimplementedError(
           "AdvanceStep on a non-host device is not implemented yet");

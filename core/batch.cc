@@ -57,9 +57,9 @@ absl::StatusOr<std::unique_ptr<Batch>> Batch::Create(
         absl::StrFormat("num_padding_rows %d is negative", pad));
   }
   if (nq + pad > limits.max_batch_rows) {
-    return absl::OutOfRangeError(absl::StrFormat(
-        "%d rows + %d padding rows exceed max_batch_rows %d", nq, pad,
-        limits.max_batch_rows));
+    return absl::OutOfRangeError(
+        absl::StrFormat("%d rows + %d padding rows exceed max_batch_rows %d",
+                        nq, pad, limits.max_batch_rows));
   }
   const std::pair<DType, const char*> dtypes[] = {
       {spec.seq_lens_dtype, "seq_lens_dtype"},
@@ -94,9 +94,9 @@ absl::StatusOr<std::unique_ptr<Batch>> Batch::Create(
     const BatchRowSpec& r = spec.rows[i];
     const RowSequence& s = seqs[i];
     if (!seen.insert(r.seq_id).second) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s: the sequence is already in an earlier row",
-          RowName(i, r.seq_id)));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s: the sequence is already in an earlier row",
+                          RowName(i, r.seq_id)));
     }
     const int64_t q = static_cast<int64_t>(r.token_ids.size());
     if (q == 0) {
@@ -105,9 +105,9 @@ absl::StatusOr<std::unique_ptr<Batch>> Batch::Create(
     }
     for (int64_t j = 0; j < q; ++j) {
       if (r.token_ids[j] < 0) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "%s: token_ids[%d] = %d is negative", RowName(i, r.seq_id), j,
-            r.token_ids[j]));
+        return absl::InvalidArgumentError(
+            absl::StrFormat("%s: token_ids[%d] = %d is negative",
+                            RowName(i, r.seq_id), j, r.token_ids[j]));
       }
     }
     const bool prefill = r.prefill || q > 1;
@@ -181,7 +181,8 @@ absl::StatusOr<std::unique_ptr<Batch>> Batch::Create(
   for (int64_t i = 0; i < n; ++i) {
     const bool real = i < nq;
     const int64_t cached = real ? spec.rows[i].num_cached_tokens : 0;
-    const int64_t q = real ? static_cast<int64_t>(spec.rows[i].token_ids.size()) : 1;
+    const int64_t q =
+        real ? static_cast<int64_t>(spec.rows[i].token_ids.size()) : 1;
     const int64_t seq_len = cached + q;
     for (int64_t j = 0; j < q; ++j, ++tok) {
       if (real) {

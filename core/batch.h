@@ -32,7 +32,8 @@ struct BatchRowSpec {
   std::vector<int64_t> token_ids;  // query tokens of this step
   int64_t num_cached_tokens = 0;   // context_len
   bool prefill = false;            // forced for rows with > 1 token
-  bool skip_sampling = false;      // a prefill chunk that leaves the prompt unfinished
+  bool skip_sampling =
+      false;  // a prefill chunk that leaves the prompt unfinished
 };
 
 struct BatchSpec {

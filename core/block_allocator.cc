@@ -21,9 +21,9 @@ BlockAllocator::BlockAllocator(int64_t num_blocks, BlockOrder order)
 absl::Status BlockAllocator::Allocate(int64_t n, std::vector<BlockId>* out) {
   if (n < 0) return absl::InvalidArgumentError("negative block count");
   if (n > num_free()) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "need %d blocks, %d free: %d blocks missing", n, num_free(),
-        n - num_free()));
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("need %d blocks, %d free: %d blocks missing", n,
+                        num_free(), n - num_free()));
   }
   for (int64_t i = 0; i < n; ++i) {
     const BlockId id = free_.back();

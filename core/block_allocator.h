@@ -34,7 +34,9 @@ class BlockAllocator {
   // REQUIRES: 0 < num_blocks <= INT32_MAX.
   BlockAllocator(int64_t num_blocks, BlockOrder order);
 
-  int64_t num_blocks() const { return static_cast<int64_t>(ref_counts_.size()); }
+  int64_t num_blocks() const {
+    return static_cast<int64_t>(ref_counts_.size());
+  }
   int64_t num_free() const { return static_cast<int64_t>(free_.size()); }
   BlockOrder order() const { return order_; }
 

@@ -29,7 +29,8 @@ class CpuDeviceImpl final : public Device {
     const size_t align = bytes >= kHugePage ? kHugePage : kSmallAlign;
     // aligned_alloc wants a size that is a multiple of the alignment; a zero
     // size still gets a real (freeable) pointer.
-    const size_t rounded = bytes == 0 ? align : (bytes + align - 1) / align * align;
+    const size_t rounded =
+        bytes == 0 ? align : (bytes + align - 1) / align * align;
     if (rounded < bytes) {
       return absl::ResourceExhaustedError(
           absl::StrFormat("cpu: cannot allocate %d bytes", bytes));

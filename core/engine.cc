@@ -19,9 +19,12 @@ std::string NewInstanceId() {
 absl::Status ValidateLimits(const EngineLimits& l) {
   constexpr int64_t kI32 = std::numeric_limits<int32_t>::max();
   const std::pair<int64_t, const char*> positive[] = {
-      {l.max_seq_len, "max_seq_len"},       {l.max_batch_rows, "max_batch_rows"},
-      {l.max_batch_tokens, "max_batch_tokens"}, {l.max_sequences, "max_sequences"},
-      {l.max_batches, "max_batches"},       {l.max_cache_bytes, "max_cache_bytes"}};
+      {l.max_seq_len, "max_seq_len"},
+      {l.max_batch_rows, "max_batch_rows"},
+      {l.max_batch_tokens, "max_batch_tokens"},
+      {l.max_sequences, "max_sequences"},
+      {l.max_batches, "max_batches"},
+      {l.max_cache_bytes, "max_cache_bytes"}};
   for (const auto& [v, name] : positive) {
     if (v <= 0) {
       return absl::InvalidArgumentError(
@@ -64,7 +67,7 @@ Engine::Engine(const EngineOptions& options, std::unique_ptr<KvCache> cache)
             options.limits.max_sequences) {}
 
 EngineInfo Engine::Info() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   EngineInfo info;
   info.instance_id = instance_id_;
   info.version = KVSTEP_VERSION;
@@ -79,7 +82,7 @@ EngineInfo Engine::Info() const {
 
 absl::StatusOr<AllocateResult> Engine::AllocateBlocks(
     absl::Span<const SequenceRequest> requests) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   std::vector<SequenceGrowth> growth;
   if (absl::Status s = seqs_.Allocate(requests, &growth); !s.ok()) return s;
   AllocateResult result;
@@ -105,7 +108,7 @@ absl::StatusOr<AllocateResult> Engine::AllocateBlocks(
 }
 
 FreeResult Engine::FreeSequences(absl::Span<const SeqId> ids) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   FreeResult result;
   for (SeqId id : ids) {
     std::vector<BatchId> batches;
@@ -130,16 +133,15 @@ FreeResult Engine::FreeSequences(absl::Span<const SeqId> ids) {
 absl::StatusOr<CreateBatchResult> Engine::CreateBatch(
     const BatchSpec& spec, absl::Span<const BatchId> release,
     bool want_tensors) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   for (size_t i = 0; i < release.size(); ++i) {
     if (!batches_.contains(release[i])) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "release_batch_ids[%d]: batch %d does not exist", i, release[i]));
     }
   }
-  const int64_t live_after =
-      static_cast<int64_t>(batches_.size()) + 1 -
-      static_cast<int64_t>(release.size());
+  const int64_t live_after = static_cast<int64_t>(batches_.size()) + 1 -
+                             static_cast<int64_t>(release.size());
   if (live_after > limits_.max_batches) {
     return absl::ResourceExhaustedError(absl::StrFormat(
         "%d live batches reached max_batches %d: release batches (or name "
@@ -163,7 +165,8 @@ absl::StatusOr<CreateBatchResult> Engine::CreateBatch(
   bl.block_size = cfg.block_size;
   bl.max_batch_rows = limits_.max_batch_rows;
   bl.max_batch_tokens = limits_.max_batch_tokens;
-  bl.max_table_width = (limits_.max_seq_len + cfg.block_size - 1) / cfg.block_size;
+  bl.max_table_width =
+      (limits_.max_seq_len + cfg.block_size - 1) / cfg.block_size;
   absl::StatusOr<std::unique_ptr<Batch>> batch =
       Batch::Create(spec, rows, bl, device_);
   if (!batch.ok()) return batch.status();
@@ -200,7 +203,7 @@ absl::StatusOr<BatchSnapshot> Engine::Snapshot(const Batch& b) const {
 }
 
 absl::StatusOr<BatchSnapshot> Engine::GetBatch(BatchId id) const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = batches_.find(id);
   if (it == batches_.end()) {
     return absl::NotFoundError(absl::StrFormat("batch %d does not exist", id));
@@ -220,7 +223,7 @@ void Engine::ReleaseLocked(BatchId id) {
 }
 
 ReleaseResult Engine::ReleaseBatches(absl::Span<const BatchId> ids) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   ReleaseResult result;
   for (BatchId id : ids) {
     if (batches_.contains(id)) {
@@ -237,7 +240,7 @@ absl::StatusOr<AdvanceResult> Engine::AdvanceStep(BatchId id,
                                                   const AdvanceInput& in,
                                                   bool want_tensors,
                                                   bool flashinfer) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = batches_.find(id);
   if (it == batches_.end()) {
     return absl::NotFoundError(absl::StrFormat("batch %d does not exist", id));
@@ -262,9 +265,9 @@ absl::StatusOr<AdvanceResult> Engine::AdvanceStep(BatchId id,
   const std::vector<SeqId>& after = b.seq_ids();
   const Tensor& lens = b.tensors().state.seq_lens;
   for (size_t i = 0; i < after.size(); ++i) {
-    seqs_.Find(after[i])->num_tokens =
-        lens.dtype() == DType::kInt32 ? lens.data<int32_t>()[i]
-                                      : lens.data<int64_t>()[i];
+    seqs_.Find(after[i])->num_tokens = lens.dtype() == DType::kInt32
+                                           ? lens.data<int32_t>()[i]
+                                           : lens.data<int64_t>()[i];
   }
   if (after.size() != before.size()) {
     for (SeqId sid : before) {
@@ -282,8 +285,7 @@ absl::StatusOr<AdvanceResult> Engine::AdvanceStep(BatchId id,
   return result;
 }
 
-absl::Status Engine::AdvanceStepExplicit(AdvanceStepArgs args,
-                                         StepState* state,
+absl::Status Engine::AdvanceStepExplicit(AdvanceStepArgs args, StepState* state,
                                          FlashInferOutputs* flashinfer) const {
   args.num_blocks = cache_->config().num_blocks;
   args.row_owned_blocks = {};
@@ -292,19 +294,18 @@ absl::Status Engine::AdvanceStepExplicit(AdvanceStepArgs args,
 }
 
 absl::Status Engine::CheckInvariants() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   const int64_t nb = allocator_.num_blocks();
   std::vector<int32_t> refs(static_cast<size_t>(nb), 0);
   // Collected first: lambdas are opaque to the thread-safety analysis.
   std::vector<std::pair<SeqId, const Sequence*>> all;
-  seqs_.ForEach([&all](SeqId id, const Sequence& seq) {
-    all.emplace_back(id, &seq);
-  });
+  seqs_.ForEach(
+      [&all](SeqId id, const Sequence& seq) { all.emplace_back(id, &seq); });
   for (const auto& [id, seq] : all) {
     for (BlockId b : seq->blocks) {
       if (b < 0 || b >= nb) {
-        return absl::InternalError(absl::StrFormat(
-            "seq %d lists block %d outside the pool", id, b));
+        return absl::InternalError(
+            absl::StrFormat("seq %d lists block %d outside the pool", id, b));
       }
       ++refs[b];
     }
@@ -342,9 +343,9 @@ absl::Status Engine::CheckInvariants() const {
     if (refs[b] == 0) ++free_count;
   }
   if (free_count != allocator_.num_free()) {
-    return absl::InternalError(absl::StrFormat(
-        "%d blocks are unowned but the free list holds %d", free_count,
-        allocator_.num_free()));
+    return absl::InternalError(
+        absl::StrFormat("%d blocks are unowned but the free list holds %d",
+                        free_count, allocator_.num_free()));
   }
   return absl::OkStatus();
 }

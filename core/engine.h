@@ -24,12 +24,12 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "core/advance_step.h"
 #include "core/batch.h"
 #include "core/block_allocator.h"
 #include "core/kv_cache.h"
+#include "core/mutex.h"
 #include "core/sequence_manager.h"
 
 namespace kvstep {
@@ -134,8 +134,7 @@ class Engine {
   // Server-held AdvanceStep: advances the batch and keeps its sequences'
   // token counts in step.
   absl::StatusOr<AdvanceResult> AdvanceStep(BatchId id, const AdvanceInput& in,
-                                            bool want_tensors,
-                                            bool flashinfer);
+                                            bool want_tensors, bool flashinfer);
 
   // Explicit AdvanceStep: the op on caller-owned tensors, with block ids
   // checked against this pool. Touches no engine state (needs no lock).
@@ -158,7 +157,7 @@ class Engine {
   Device* const device_;
   const std::unique_ptr<KvCache> cache_;
 
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   BlockAllocator allocator_ ABSL_GUARDED_BY(mu_);
   SequenceManager seqs_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<BatchId, std::unique_ptr<Batch>> batches_

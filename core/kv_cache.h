@@ -54,7 +54,9 @@ struct CacheConfig {
     return elements_per_block() * static_cast<int64_t>(DTypeSize(dtype));
   }
   // Both K and V of every layer.
-  int64_t total_bytes() const { return bytes_per_block() * num_blocks * num_layers * 2; }
+  int64_t total_bytes() const {
+    return bytes_per_block() * num_blocks * num_layers * 2;
+  }
   // x of the vLLM key layout.
   int64_t vllm_x() const { return 16 / static_cast<int64_t>(DTypeSize(dtype)); }
 

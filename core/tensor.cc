@@ -17,9 +17,9 @@ absl::StatusOr<int64_t> NumElements(absl::Span<const int64_t> shape,
   for (size_t i = 0; i < shape.size(); ++i) {
     const int64_t d = shape[i];
     if (d < 0) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s: shape %s has a negative dimension %d", what,
-          ShapeToString(shape), i));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s: shape %s has a negative dimension %d", what,
+                          ShapeToString(shape), i));
     }
     if (d != 0 && n > kMax / d) {
       return absl::InvalidArgumentError(absl::StrFormat(
@@ -30,8 +30,7 @@ absl::StatusOr<int64_t> NumElements(absl::Span<const int64_t> shape,
   return n;
 }
 
-absl::StatusOr<Tensor> Tensor::Zeros(Device* device, DType dtype,
-                                     Shape shape) {
+absl::StatusOr<Tensor> Tensor::Zeros(Device* device, DType dtype, Shape shape) {
   if (DTypeSize(dtype) == 0) {
     return absl::InvalidArgumentError("tensor: invalid dtype");
   }

@@ -39,8 +39,7 @@ class Tensor {
   Tensor() = default;
 
   // A zero-filled tensor on `device`.
-  static absl::StatusOr<Tensor> Zeros(Device* device, DType dtype,
-                                      Shape shape);
+  static absl::StatusOr<Tensor> Zeros(Device* device, DType dtype, Shape shape);
   // A tensor on `device` holding a copy of `bytes` host bytes, which must be
   // exactly numel * DTypeSize(dtype) long (INVALID_ARGUMENT otherwise).
   static absl::StatusOr<Tensor> FromHostBytes(Device* device, DType dtype,
@@ -56,7 +55,9 @@ class Tensor {
   int rank() const { return static_cast<int>(shape_.size()); }
   int64_t dim(int i) const { return shape_[i]; }
   int64_t numel() const { return numel_; }
-  size_t nbytes() const { return static_cast<size_t>(numel_) * DTypeSize(dtype_); }
+  size_t nbytes() const {
+    return static_cast<size_t>(numel_) * DTypeSize(dtype_);
+  }
   Device* device() const { return storage_ ? storage_->device() : nullptr; }
 
   void* raw_data() const { return storage_ ? storage_->data() : nullptr; }

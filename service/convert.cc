@@ -34,9 +34,9 @@ absl::StatusOr<Tensor> TensorFromProto(const v1::Tensor& proto, bool present,
         absl::StrCat(field, ": rank ", proto.shape_size(), " is above 8"));
   }
   Shape shape(proto.shape().begin(), proto.shape().end());
-  absl::StatusOr<Tensor> t = Tensor::FromHostBytes(
-      CpuDevice(), dtype, std::move(shape), proto.data().data(),
-      proto.data().size());
+  absl::StatusOr<Tensor> t =
+      Tensor::FromHostBytes(CpuDevice(), dtype, std::move(shape),
+                            proto.data().data(), proto.data().size());
   if (!t.ok()) {
     return absl::Status(t.status().code(),
                         absl::StrCat(field, ": ", t.status().message()));
@@ -74,8 +74,7 @@ void SnapshotToProto(const BatchSnapshot& snap, v1::BatchTensors* p) {
   p->mutable_seq_ids()->Assign(snap.seq_ids.begin(), snap.seq_ids.end());
 }
 
-void FlashInferToProto(const FlashInferOutputs& fi,
-                       v1::FlashInferTensors* p) {
+void FlashInferToProto(const FlashInferOutputs& fi, v1::FlashInferTensors* p) {
   TensorToProto(fi.paged_kv_indptr, p->mutable_paged_kv_indptr());
   TensorToProto(fi.paged_kv_indices, p->mutable_paged_kv_indices());
   TensorToProto(fi.paged_kv_last_page_len, p->mutable_paged_kv_last_page_len());

@@ -28,7 +28,8 @@ DType DTypeFromProto(v1::DType dtype);  // kInvalid when out of range
 v1::DType DTypeToProto(DType dtype);
 
 void SnapshotToProto(const BatchSnapshot& snap, v1::BatchTensors* proto);
-void FlashInferToProto(const FlashInferOutputs& fi, v1::FlashInferTensors* proto);
+void FlashInferToProto(const FlashInferOutputs& fi,
+                       v1::FlashInferTensors* proto);
 void InfoToProto(const EngineInfo& info, int64_t max_message_bytes,
                  v1::GetServerInfoResponse* proto);
 

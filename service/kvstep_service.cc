@@ -19,9 +19,9 @@ absl::StatusOr<DType> IndexDType(v1::DType wire, DType fallback,
   if (wire == v1::DTYPE_UNSPECIFIED) return fallback;
   const DType d = DTypeFromProto(wire);
   if (!IsIndexType(d)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s must be DTYPE_INT32 or DTYPE_INT64, got %d", field,
-        static_cast<int>(wire)));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s must be DTYPE_INT32 or DTYPE_INT64, got %d", field,
+                        static_cast<int>(wire)));
   }
   return d;
 }
@@ -35,9 +35,9 @@ grpc::Status KvStepService::GetServerInfo(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status KvStepService::AllocateBlocks(
-    grpc::ServerContext*, const v1::AllocateBlocksRequest* req,
-    v1::AllocateBlocksResponse* resp) {
+grpc::Status KvStepService::AllocateBlocks(grpc::ServerContext*,
+                                           const v1::AllocateBlocksRequest* req,
+                                           v1::AllocateBlocksResponse* resp) {
   std::vector<SequenceRequest> requests(req->sequences_size());
   for (int i = 0; i < req->sequences_size(); ++i) {
     requests[i].seq_id = req->sequences(i).seq_id();
@@ -110,7 +110,8 @@ grpc::Status KvStepService::CreateBatch(grpc::ServerContext*,
       engine_->CreateBatch(spec, release, req->return_tensors());
   if (!r.ok()) return ToGrpcStatus(r.status());
   resp->set_batch_id(r->batch_id);
-  if (req->return_tensors()) SnapshotToProto(r->snapshot, resp->mutable_tensors());
+  if (req->return_tensors())
+    SnapshotToProto(r->snapshot, resp->mutable_tensors());
   resp->mutable_released_batch_ids()->Assign(r->released.begin(),
                                              r->released.end());
   resp->set_server_instance_id(engine_->instance_id());
@@ -171,8 +172,10 @@ grpc::Status KvStepService::AdvanceStep(grpc::ServerContext*,
       req->batch_id(), in, req->return_tensors(), req->flashinfer());
   if (!r.ok()) return ToGrpcStatus(r.status());
   resp->set_step(r->step);
-  if (req->return_tensors()) SnapshotToProto(r->snapshot, resp->mutable_tensors());
-  if (req->flashinfer()) FlashInferToProto(r->flashinfer, resp->mutable_flashinfer());
+  if (req->return_tensors())
+    SnapshotToProto(r->snapshot, resp->mutable_tensors());
+  if (req->flashinfer())
+    FlashInferToProto(r->flashinfer, resp->mutable_flashinfer());
   return grpc::Status::OK;
 }
 

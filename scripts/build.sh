@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Configures and builds kvstep into DIR (default build/) with clang, so that
+# -Wthread-safety proves the locking. Extra arguments go to cmake.
+#   scripts/build.sh [DIR] [-DKVSTEP_SANITIZE=address|thread ...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dir=${1:-build}
+shift || true
+cmake -S . -B "$dir" -G Ninja -DCMAKE_CXX_COMPILER=clang++ "$@" >/dev/null
+ninja -C "$dir" -j"${KVSTEP_JOBS:-2}"

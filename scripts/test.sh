@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs the dependencies, builds kvstep and passes its tests: the normal
+# build, then the whole suite under ASan+UBSan, then the core suite under
+# TSan (Debian's gRPC is not TSan-instrumented, so TSan runs the gRPC-free
+# core tests, which include the multi-threaded engine test).
+#   scripts/test.sh            everything (what CI runs)
+#   scripts/test.sh --quick    the normal build only
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/install-deps.sh
+
+run_ctest() {  # DIR [ctest args]
+  local dir=$1
+  shift
+  (cd "$dir" && ctest -j2 --output-on-failure --timeout 600 "$@")
+}
+
+echo "== build (RelWithDebInfo) and test"
+scripts/build.sh build
+run_ctest build
+
+if [ "${1:-}" != "--quick" ]; then
+  echo "== ASan+UBSan build and test"
+  scripts/build.sh build-asan -DKVSTEP_SANITIZE=address -DKVSTEP_BUILD_BENCH=OFF
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 run_ctest build-asan
+
+  echo "== TSan build and core test"
+  scripts/build.sh build-tsan -DKVSTEP_SANITIZE=thread -DKVSTEP_BUILD_BENCH=OFF
+  TSAN_OPTIONS=halt_on_error=1 run_ctest build-tsan -R '^(Engine|Batch|AdvanceStep|Sequence|Block|Tensor|DType|Speculative)'
+fi
