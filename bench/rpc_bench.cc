@@ -51,8 +51,12 @@ int main(int argc, char** argv) {
   if (target.empty()) {
     kvstep::ServerOptions o;
     o.listen = absl::StrCat("unix:/tmp/kvstep-rpc-bench-", getpid(), ".sock");
-    o.engine.cache.num_blocks = 8192;
+    // Enough blocks for every row to advance once per round; a small
+    // geometry, since this measures control RPCs, not the pool.
+    o.engine.cache.num_blocks = (rows + 1) * ((rounds * 2 + 32) / 16 + 1);
     o.engine.cache.num_layers = 1;
+    o.engine.cache.num_kv_heads = 1;
+    o.engine.cache.head_size = 8;
     auto s = kvstep::Server::Start(o);
     if (!s.ok()) {
       std::fprintf(stderr, "%s\n", s.status().ToString().c_str());
@@ -62,7 +66,10 @@ int main(int argc, char** argv) {
     target = server->address();
   }
   auto client = kvstep::Client::Connect(target);
-  if (!client->WaitForReady(absl::Seconds(10)).ok()) return 1;
+  if (absl::Status s = client->WaitForReady(absl::Seconds(10)); !s.ok()) {
+    std::fprintf(stderr, "%s\n", s.ToString().c_str());
+    return 1;
+  }
 
   // One decode batch of `rows` sequences with room for every step.
   const uint64_t base = 1u << 30;
@@ -74,7 +81,10 @@ int main(int argc, char** argv) {
     r->set_seq_id(base + i);
     r->add_token_ids(1);
   }
-  if (!client->AllocateBlocks(seqs).ok()) return 1;
+  if (auto a = client->AllocateBlocks(seqs); !a.ok()) {
+    std::fprintf(stderr, "AllocateBlocks: %s\n", a.status().ToString().c_str());
+    return 1;
+  }
   auto batch = client->CreateBatch(create);
   if (!batch.ok()) {
     std::fprintf(stderr, "%s\n", batch.status().ToString().c_str());

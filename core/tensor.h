@@ -47,7 +47,7 @@ class Tensor {
                                               size_t num_bytes);
   // A 1-d or n-d tensor of T on the CPU device (for tests and tools).
   template <typename T>
-  static Tensor FromValues(Shape shape, absl::Span<const T> values);
+  static Tensor FromValues(const Shape& shape, absl::Span<const T> values);
 
   bool defined() const { return storage_ != nullptr; }
   DType dtype() const { return dtype_; }
@@ -93,9 +93,9 @@ class Tensor {
 };
 
 template <typename T>
-Tensor Tensor::FromValues(Shape shape, absl::Span<const T> values) {
-  auto t = FromHostBytes(CpuDevice(), DTypeOf<T>::value, std::move(shape),
-                         values.data(), values.size() * sizeof(T));
+Tensor Tensor::FromValues(const Shape& shape, absl::Span<const T> values) {
+  auto t = FromHostBytes(CpuDevice(), DTypeOf<T>::value, shape, values.data(),
+                         values.size() * sizeof(T));
   assert(t.ok());
   return *std::move(t);
 }
