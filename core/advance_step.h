@@ -10,7 +10,8 @@
 // every tensor exactly as it was. Errors are INVALID_ARGUMENT (dtype, shape,
 // count or malformed value) or OUT_OF_RANGE (a position past the block
 // table, a block id outside the pool, a result that does not fit its integer
-// width), and name the field and the row. seq_lens, block_tables and
+// width), or FAILED_PRECONDITION (a write into a block shared with another
+// sequence), and name the field and the row. seq_lens, block_tables and
 // slot_mapping may each be int32 or int64 and keep their width; the rest are
 // int64. Thread-compatible: the caller owns the tensors.
 #ifndef KVSTEP_CORE_ADVANCE_STEP_H_
@@ -51,6 +52,10 @@ struct AdvanceStepArgs {
   // really owns. A position needing a table entry at or past it is
   // OUT_OF_RANGE even when the padded table has a (zero) entry there.
   absl::Span<const int64_t> row_owned_blocks;
+  // When not empty (one entry per real row): the first table entry the row
+  // may write; earlier blocks are shared with other sequences, and a
+  // position in one is FAILED_PRECONDITION (AllocateBlocks copies them).
+  absl::Span<const int64_t> row_first_writable;
   // When not empty: the sequence id of each real row, named in errors.
   absl::Span<const uint64_t> row_seq_ids;
 };

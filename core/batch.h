@@ -107,15 +107,20 @@ class Batch {
   void SyncTableRow(int64_t row, absl::Span<const BlockId> blocks);
   // The row's sequence was freed: the batch can no longer advance.
   void MarkStale(int64_t row) { stale_[row] = true; }
+  bool stale(int64_t row) const { return stale_[row]; }
+  // Tokens per real row in the decode form (1, or 1 + spec_num).
+  int64_t tokens_per_row() const { return q_; }
   int64_t RowOf(SeqId id) const;
 
   // Advances one step (SEMANTICS §2-§5). owned_blocks[i] is the number of
-  // blocks row i's sequence owns now. A batch with prefill rows becomes a
+  // blocks row i's sequence owns now, first_writable[i] the first of them it
+  // owns alone. A batch with prefill rows becomes a
   // decode batch of its sampled rows (in order) plus its padding rows.
   // FAILED_PRECONDITION for a stale row, a batch with no sampled row, or
   // speculative mode on a batch with prefill rows; otherwise as AdvanceStep.
   absl::Status Advance(const AdvanceInput& in,
                        absl::Span<const int64_t> owned_blocks,
+                       absl::Span<const int64_t> first_writable,
                        int64_t num_blocks, FlashInferOutputs* flashinfer);
 
   // An independent copy of the tensors (for returning them).

@@ -1,5 +1,7 @@
 #include "core/block_allocator.h"
 
+#include <utility>
+
 #include "absl/strings/str_format.h"
 
 namespace kvstep {
@@ -8,8 +10,15 @@ absl::string_view BlockOrderName(BlockOrder order) {
   return order == BlockOrder::kDescending ? "descending" : "ascending";
 }
 
-BlockAllocator::BlockAllocator(int64_t num_blocks, BlockOrder order)
-    : order_(order), ref_counts_(static_cast<size_t>(num_blocks), 0) {
+BlockAllocator::BlockAllocator(int64_t num_blocks, BlockOrder order,
+                               std::function<void(KvEvent)> sink)
+    : order_(order),
+      sink_(std::move(sink)),
+      ref_counts_(static_cast<size_t>(num_blocks), 0),
+      hash_of_(static_cast<size_t>(num_blocks)),
+      lru_prev_(static_cast<size_t>(num_blocks), kNone),
+      lru_next_(static_cast<size_t>(num_blocks), kNone),
+      in_lru_(static_cast<size_t>(num_blocks), false) {
   free_.reserve(static_cast<size_t>(num_blocks));
   // The stack pops from the back: push the first block to hand out last.
   for (int64_t i = 0; i < num_blocks; ++i) {
@@ -18,16 +27,53 @@ BlockAllocator::BlockAllocator(int64_t num_blocks, BlockOrder order)
   }
 }
 
+void BlockAllocator::LruRemove(BlockId id) {
+  const BlockId p = lru_prev_[id], n = lru_next_[id];
+  (p == kNone ? lru_head_ : lru_next_[p]) = n;
+  (n == kNone ? lru_tail_ : lru_prev_[n]) = p;
+  lru_prev_[id] = lru_next_[id] = kNone;
+  in_lru_[id] = false;
+  --num_evictable_;
+}
+
+void BlockAllocator::LruPushBack(BlockId id) {
+  lru_prev_[id] = lru_tail_;
+  lru_next_[id] = kNone;
+  (lru_tail_ == kNone ? lru_head_ : lru_next_[lru_tail_]) = id;
+  lru_tail_ = id;
+  in_lru_[id] = true;
+  ++num_evictable_;
+}
+
+void BlockAllocator::Unregister(BlockId id, bool emit) {
+  const BlockHash h = *hash_of_[id];
+  by_hash_.erase(h);
+  hash_of_[id].reset();
+  if (emit && sink_) {
+    KvEvent e;
+    e.type = KvEvent::Type::kBlockRemoved;
+    e.block_hashes = {h};
+    sink_(std::move(e));
+  }
+}
+
 absl::Status BlockAllocator::Allocate(int64_t n, std::vector<BlockId>* out) {
   if (n < 0) return absl::InvalidArgumentError("negative block count");
-  if (n > num_free()) {
+  if (n > num_available()) {
     return absl::ResourceExhaustedError(
-        absl::StrFormat("need %d blocks, %d free: %d blocks missing", n,
-                        num_free(), n - num_free()));
+        absl::StrFormat("need %d blocks, %d available: %d blocks missing", n,
+                        num_available(), n - num_available()));
   }
   for (int64_t i = 0; i < n; ++i) {
-    const BlockId id = free_.back();
-    free_.pop_back();
+    BlockId id;
+    if (!free_.empty()) {
+      id = free_.back();
+      free_.pop_back();
+    } else {
+      id = lru_head_;  // evict the least recently used cached block
+      LruRemove(id);
+      Unregister(id, /*emit=*/true);
+    }
     ref_counts_[id] = 1;
     out->push_back(id);
   }
@@ -38,13 +84,82 @@ absl::Status BlockAllocator::Release(absl::Span<const BlockId> ids) {
   for (BlockId id : ids) {
     if (!IsValid(id) || ref_counts_[id] <= 0) {
       return absl::InternalError(
-          absl::StrFormat("release of block %d, which is not allocated", id));
+          absl::StrFormat("release of block %d, which is not owned", id));
     }
   }
   for (auto it = ids.rbegin(); it != ids.rend(); ++it) {
-    if (--ref_counts_[*it] == 0) free_.push_back(*it);
+    const BlockId id = *it;
+    if (--ref_counts_[id] > 0) continue;
+    if (hash_of_[id].has_value()) {
+      LruPushBack(id);
+    } else {
+      free_.push_back(id);
+    }
   }
   return absl::OkStatus();
+}
+
+void BlockAllocator::Acquire(BlockId id) {
+  if (ref_counts_[id] == 0 && in_lru_[id]) LruRemove(id);
+  ++ref_counts_[id];
+}
+
+std::optional<BlockId> BlockAllocator::Lookup(const BlockHash& hash) const {
+  auto it = by_hash_.find(hash);
+  if (it == by_hash_.end()) return std::nullopt;
+  return it->second;
+}
+
+std::optional<BlockHash> BlockAllocator::HashOf(BlockId id) const {
+  return hash_of_[id];
+}
+
+bool BlockAllocator::Register(BlockId id, const BlockHash& hash,
+                              const std::optional<BlockHash>& parent,
+                              absl::Span<const int64_t> token_ids,
+                              absl::string_view extra) {
+  if (hash_of_[id].has_value() || by_hash_.contains(hash)) return false;
+  by_hash_[hash] = id;
+  hash_of_[id] = hash;
+  if (sink_) {
+    KvEvent e;
+    e.type = KvEvent::Type::kBlockStored;
+    e.block_hashes = {hash};
+    e.parent_hash = parent;
+    e.token_ids.assign(token_ids.begin(), token_ids.end());
+    e.block_size = static_cast<int64_t>(token_ids.size());
+    e.extra_key = std::string(extra);
+    sink_(std::move(e));
+  }
+  return true;
+}
+
+void BlockAllocator::Forget(BlockId id) {
+  if (!hash_of_[id].has_value()) return;
+  Unregister(id, /*emit=*/true);
+  if (in_lru_[id]) {
+    LruRemove(id);
+    free_.push_back(id);
+  }
+}
+
+void BlockAllocator::ResetPrefixCache() {
+  while (lru_head_ != kNone) {
+    const BlockId id = lru_head_;
+    LruRemove(id);
+    free_.push_back(id);
+  }
+  for (auto& h : hash_of_) h.reset();
+  by_hash_.clear();
+  if (sink_) {
+    KvEvent e;
+    e.type = KvEvent::Type::kAllBlocksCleared;
+    sink_(std::move(e));
+  }
+}
+
+bool BlockAllocator::IsOnFreeList(BlockId id) const {
+  return ref_counts_[id] == 0 && !in_lru_[id];
 }
 
 }  // namespace kvstep

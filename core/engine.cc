@@ -50,21 +50,53 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
       !s.ok()) {
     return s;
   }
+  if (options.num_host_blocks < 0 ||
+      options.num_host_blocks > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError("num_host_blocks must be in [0, 2^31)");
+  }
+  if (!(options.watermark >= 0 && options.watermark < 1)) {
+    return absl::InvalidArgumentError("watermark must be in [0, 1)");
+  }
+  CacheConfig host = options.cache;
+  host.num_blocks = options.num_host_blocks;
+  if (options.num_host_blocks > 0 &&
+      options.cache.total_bytes() + host.total_bytes() >
+          options.limits.max_cache_bytes) {
+    return absl::InvalidArgumentError(
+        "the device and host tiers together exceed max_cache_bytes");
+  }
   Device* device = options.device != nullptr ? options.device : CpuDevice();
   absl::StatusOr<std::unique_ptr<KvCache>> cache =
       KvCache::Create(options.cache, device);
   if (!cache.ok()) return cache.status();
-  return std::unique_ptr<Engine>(new Engine(options, *std::move(cache)));
+  std::unique_ptr<KvCache> host_cache;
+  if (options.num_host_blocks > 0) {
+    absl::StatusOr<std::unique_ptr<KvCache>> h =
+        KvCache::Create(host, CpuDevice());
+    if (!h.ok()) return h.status();
+    host_cache = *std::move(h);
+  }
+  return std::unique_ptr<Engine>(
+      new Engine(options, *std::move(cache), std::move(host_cache)));
 }
 
-Engine::Engine(const EngineOptions& options, std::unique_ptr<KvCache> cache)
+Engine::Engine(const EngineOptions& options, std::unique_ptr<KvCache> cache,
+               std::unique_ptr<KvCache> host_cache)
     : instance_id_(NewInstanceId()),
       limits_(options.limits),
+      watermark_(options.watermark),
       device_(options.device != nullptr ? options.device : CpuDevice()),
       cache_(std::move(cache)),
-      allocator_(options.cache.num_blocks, options.block_order),
-      seqs_(&allocator_, options.cache.block_size, options.limits.max_seq_len,
-            options.limits.max_sequences) {}
+      host_cache_(std::move(host_cache)),
+      events_(options.event_log_capacity),
+      allocator_(options.cache.num_blocks, options.block_order,
+                 [this](KvEvent e) { events_.Append(std::move(e)); }),
+      host_allocator_(options.num_host_blocks > 0
+                          ? std::make_unique<BlockAllocator>(
+                                options.num_host_blocks, options.block_order)
+                          : nullptr),
+      seqs_(&allocator_, host_allocator_.get(), options.cache.block_size,
+            options.limits.max_seq_len, options.limits.max_sequences) {}
 
 EngineInfo Engine::Info() const {
   MutexLock lock(&mu_);
@@ -74,10 +106,56 @@ EngineInfo Engine::Info() const {
   info.cache = cache_->config();
   info.limits = limits_;
   info.block_order = allocator_.order();
-  info.free_blocks = allocator_.num_free();
+  info.free_blocks = allocator_.num_available();
   info.num_sequences = seqs_.size();
   info.num_batches = static_cast<int64_t>(batches_.size());
+  info.stats = StatsLocked();
   return info;
+}
+
+BlockStats Engine::StatsLocked() const {
+  BlockStats st;
+  st.num_blocks = allocator_.num_blocks();
+  st.free_blocks = allocator_.num_free();
+  st.cached_blocks = allocator_.num_cached();
+  st.evictable_blocks = allocator_.num_evictable();
+  st.available_blocks = allocator_.num_available();
+  st.used_blocks = st.num_blocks - st.available_blocks;
+  if (host_allocator_) {
+    st.host_blocks = host_allocator_->num_blocks();
+    st.host_free_blocks = host_allocator_->num_available();
+  }
+  st.prefix_query_tokens = seqs_.prefix_query_tokens();
+  st.prefix_hit_tokens = seqs_.prefix_hit_tokens();
+  st.prefix_hit_rate =
+      st.prefix_query_tokens == 0
+          ? 0
+          : static_cast<double>(st.prefix_hit_tokens) / st.prefix_query_tokens;
+  st.usage = static_cast<double>(st.used_blocks) / st.num_blocks;
+  return st;
+}
+
+BlockStats Engine::Stats() const {
+  MutexLock lock(&mu_);
+  return StatsLocked();
+}
+
+void Engine::SyncBatches(const Sequence& seq, SeqId id) {
+  for (BatchId bid : seq.batches) {
+    Batch& b = *batches_.at(bid);
+    b.SyncTableRow(b.RowOf(id), seq.blocks);
+  }
+}
+
+void Engine::MarkStale(const std::vector<BatchId>& batches, SeqId id,
+                       std::vector<BatchId>* stale) {
+  for (BatchId bid : batches) {
+    Batch& b = *batches_.at(bid);
+    b.MarkStale(b.RowOf(id));
+    if (std::find(stale->begin(), stale->end(), bid) == stale->end()) {
+      stale->push_back(bid);
+    }
+  }
 }
 
 absl::StatusOr<AllocateResult> Engine::AllocateBlocks(
@@ -89,21 +167,24 @@ absl::StatusOr<AllocateResult> Engine::AllocateBlocks(
   result.sequences.reserve(growth.size());
   for (SequenceGrowth& g : growth) {
     const Sequence* seq = seqs_.Find(g.seq_id);
-    if (!g.new_blocks.empty()) {
-      // Keep the live batches' tables mirroring the grown sequence.
-      for (BatchId bid : seq->batches) {
-        Batch& b = *batches_.at(bid);
-        b.SyncTableRow(b.RowOf(g.seq_id), seq->blocks);
-      }
+    // Copy-on-write: the bytes move before anyone can write the new block.
+    for (const BlockCopy& c : g.copies) {
+      KvCache::CopyBlock(*cache_, c.src, *cache_, c.dst);
+    }
+    if (!g.new_blocks.empty() || !g.copies.empty()) {
+      // Keep the live batches' tables mirroring the sequence.
+      SyncBatches(*seq, g.seq_id);
     }
     SequenceBlocks out;
     out.seq_id = g.seq_id;
     out.new_blocks = std::move(g.new_blocks);
     out.block_table = seq->blocks;
     out.created = g.created;
+    out.computed_tokens = g.computed_tokens;
+    out.copies = std::move(g.copies);
     result.sequences.push_back(std::move(out));
   }
-  result.free_blocks = allocator_.num_free();
+  result.free_blocks = allocator_.num_available();
   return result;
 }
 
@@ -117,17 +198,81 @@ FreeResult Engine::FreeSequences(absl::Span<const SeqId> ids) {
       continue;
     }
     result.freed.push_back(id);
-    for (BatchId bid : batches) {
-      Batch& b = *batches_.at(bid);
-      b.MarkStale(b.RowOf(id));
-      if (std::find(result.stale_batches.begin(), result.stale_batches.end(),
-                    bid) == result.stale_batches.end()) {
-        result.stale_batches.push_back(bid);
-      }
+    MarkStale(batches, id, &result.stale_batches);
+  }
+  result.free_blocks = allocator_.num_available();
+  return result;
+}
+
+absl::StatusOr<Admission> Engine::CanAllocate(
+    absl::Span<const SequenceRequest> requests, int64_t* needed) const {
+  MutexLock lock(&mu_);
+  bool never = false;
+  absl::Status s = seqs_.BlocksNeeded(requests, needed, &never);
+  if (s.code() == absl::StatusCode::kOutOfRange) return Admission::kNever;
+  if (!s.ok()) return s;
+  // vLLM's rule: NEVER when even an empty pool would sink below the
+  // watermark, OK when the free blocks stay at or above it, else LATER.
+  const int64_t watermark_blocks = static_cast<int64_t>(
+      watermark_ * static_cast<double>(allocator_.num_blocks()));
+  if (never || allocator_.num_blocks() - *needed < watermark_blocks) {
+    return Admission::kNever;
+  }
+  if (allocator_.num_available() - *needed >= watermark_blocks) {
+    return Admission::kOk;
+  }
+  return Admission::kLater;
+}
+
+absl::Status Engine::ForkSequence(SeqId parent, SeqId child) {
+  MutexLock lock(&mu_);
+  return seqs_.Fork(parent, child);
+}
+
+absl::StatusOr<SwapOutcome> Engine::SwapOut(absl::Span<const SeqId> ids) {
+  return Swap(ids, /*out=*/true);
+}
+
+absl::StatusOr<SwapOutcome> Engine::SwapIn(absl::Span<const SeqId> ids) {
+  return Swap(ids, /*out=*/false);
+}
+
+absl::StatusOr<SwapOutcome> Engine::Swap(absl::Span<const SeqId> ids,
+                                         bool out) {
+  MutexLock lock(&mu_);
+  SwapResult r;
+  absl::Status s = out ? seqs_.SwapOut(ids, &r) : seqs_.SwapIn(ids, &r);
+  if (!s.ok()) return s;
+  SwapOutcome outcome;
+  for (const BlockCopy& c : r.copies) {
+    if (out) {
+      KvCache::CopyBlock(*cache_, c.src, *host_cache_, c.dst);
+    } else {
+      KvCache::CopyBlock(*host_cache_, c.src, *cache_, c.dst);
     }
   }
-  result.free_blocks = allocator_.num_free();
-  return result;
+  outcome.copies = std::move(r.copies);
+  if (out) {
+    // A batch row on a swapped-out sequence would compute slots in blocks
+    // the sequence no longer has: the row goes stale and leaves the
+    // sequence's batch list.
+    for (SeqId id : ids) {
+      Sequence* seq = seqs_.Find(id);
+      MarkStale(std::vector<BatchId>(seq->batches.begin(), seq->batches.end()),
+                id, &outcome.stale_batches);
+      seq->batches.clear();
+    }
+  }
+  outcome.free_blocks = allocator_.num_available();
+  outcome.host_free_blocks = host_allocator_->num_available();
+  return outcome;
+}
+
+void Engine::ResetPrefixCache() {
+  MutexLock lock(&mu_);
+  allocator_.ResetPrefixCache();
+  // Sequences re-register their full blocks from their next step on.
+  seqs_.ClearHashes();
 }
 
 absl::StatusOr<CreateBatchResult> Engine::CreateBatch(
@@ -148,6 +293,7 @@ absl::StatusOr<CreateBatchResult> Engine::CreateBatch(
         "them in release_batch_ids)",
         batches_.size(), limits_.max_batches));
   }
+  const CacheConfig& cfg = cache_->config();
   std::vector<RowSequence> rows(spec.rows.size());
   for (size_t i = 0; i < spec.rows.size(); ++i) {
     const Sequence* seq = seqs_.Find(spec.rows[i].seq_id);
@@ -156,10 +302,26 @@ absl::StatusOr<CreateBatchResult> Engine::CreateBatch(
           "rows[%d]: seq %d has no blocks: call AllocateBlocks first", i,
           spec.rows[i].seq_id));
     }
+    const BatchRowSpec& r = spec.rows[i];
+    if (seq->swapped) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "rows[%d]: seq %d is swapped out: SwapIn first", i, r.seq_id));
+    }
+    // The row writes positions from num_cached_tokens on: none of them may
+    // be in a block another sequence shares.
+    const int64_t first_block = r.num_cached_tokens / cfg.block_size;
+    const int64_t exclusive = seqs_.FirstExclusiveBlock(*seq);
+    if (r.num_cached_tokens >= 0 && first_block < exclusive &&
+        !r.token_ids.empty()) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "rows[%d] (seq %d): position %d is in block %d of the sequence, "
+          "which is shared with another sequence: call AllocateBlocks first "
+          "(it copies the block)",
+          i, r.seq_id, r.num_cached_tokens, first_block));
+    }
     rows[i].blocks = seq->blocks;
     rows[i].num_tokens = seq->num_tokens;
   }
-  const CacheConfig& cfg = cache_->config();
   BatchLimits bl;
   bl.num_blocks = cfg.num_blocks;
   bl.block_size = cfg.block_size;
@@ -183,9 +345,13 @@ absl::StatusOr<CreateBatchResult> Engine::CreateBatch(
   result.batch_id = next_batch_id_++;
   for (const BatchRowSpec& r : spec.rows) {
     Sequence* seq = seqs_.Find(r.seq_id);
-    seq->num_tokens =
+    const int64_t seq_len =
         r.num_cached_tokens + static_cast<int64_t>(r.token_ids.size());
+    seq->num_tokens = seq_len;
     seq->batches.push_back(result.batch_id);
+    // The step computes these tokens: their full blocks become cached
+    // (vLLM v1 registers blocks when they are scheduled).
+    seqs_.RecordTokens(seq, r.num_cached_tokens, r.token_ids, seq_len);
   }
   batches_[result.batch_id] = *std::move(batch);
   return result;
@@ -248,15 +414,19 @@ absl::StatusOr<AdvanceResult> Engine::AdvanceStep(BatchId id,
   Batch& b = *it->second;
   const std::vector<SeqId> before = b.seq_ids();
   std::vector<int64_t> owned(before.size(), 0);
+  std::vector<int64_t> writable(before.size(), 0);
   for (size_t i = 0; i < before.size(); ++i) {
-    // A freed sequence's row is stale and rejected by Advance().
-    if (const Sequence* seq = seqs_.Find(before[i]); seq != nullptr) {
-      owned[i] = static_cast<int64_t>(seq->blocks.size());
-    }
+    // A freed or swapped-out sequence's row is stale and rejected by
+    // Advance(); a fresh sequence reusing the id is not this row's.
+    if (b.stale(static_cast<int64_t>(i))) continue;
+    const Sequence* seq = seqs_.Find(before[i]);
+    owned[i] = static_cast<int64_t>(seq->blocks.size());
+    writable[i] = seqs_.FirstExclusiveBlock(*seq);
   }
   AdvanceResult result;
-  if (absl::Status s = b.Advance(in, owned, cache_->config().num_blocks,
-                                 flashinfer ? &result.flashinfer : nullptr);
+  if (absl::Status s =
+          b.Advance(in, owned, writable, cache_->config().num_blocks,
+                    flashinfer ? &result.flashinfer : nullptr);
       !s.ok()) {
     return s;
   }
@@ -297,6 +467,8 @@ absl::Status Engine::CheckInvariants() const {
   MutexLock lock(&mu_);
   const int64_t nb = allocator_.num_blocks();
   std::vector<int32_t> refs(static_cast<size_t>(nb), 0);
+  const int64_t nh = host_allocator_ ? host_allocator_->num_blocks() : 0;
+  std::vector<int32_t> host_refs(static_cast<size_t>(nh), 0);
   // Collected first: lambdas are opaque to the thread-safety analysis.
   std::vector<std::pair<SeqId, const Sequence*>> all;
   seqs_.ForEach(
@@ -311,7 +483,8 @@ absl::Status Engine::CheckInvariants() const {
     }
     for (BatchId bid : seq->batches) {
       auto it = batches_.find(bid);
-      if (it == batches_.end() || it->second->RowOf(id) < 0) {
+      if (it == batches_.end() || it->second->RowOf(id) < 0 ||
+          it->second->stale(it->second->RowOf(id))) {
         return absl::InternalError(absl::StrFormat(
             "seq %d names batch %d, which has no row on it", id, bid));
       }

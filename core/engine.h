@@ -24,11 +24,13 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "core/advance_step.h"
 #include "core/batch.h"
 #include "core/block_allocator.h"
 #include "core/kv_cache.h"
+#include "core/kv_events.h"
 #include "core/mutex.h"
 #include "core/sequence_manager.h"
 
@@ -48,7 +50,31 @@ struct EngineOptions {
   BlockOrder block_order = BlockOrder::kDescending;
   EngineLimits limits;
   Device* device = nullptr;  // the CPU device when null
+  // Blocks of the host tier (SwapOut/SwapIn); 0: no host tier.
+  int64_t num_host_blocks = 0;
+  // CanAllocate answers LATER while fewer than this fraction of the pool
+  // would stay available (vLLM's watermark, default 1%).
+  double watermark = 0.01;
+  // KV events kept for subscribers.
+  size_t event_log_capacity = 65536;
 };
+
+struct BlockStats {
+  int64_t num_blocks = 0;
+  int64_t free_blocks = 0;       // on the free list
+  int64_t cached_blocks = 0;     // with a registered hash, owned or not
+  int64_t evictable_blocks = 0;  // cached and unreferenced
+  int64_t used_blocks = 0;       // reference count >= 1
+  int64_t available_blocks = 0;  // free + evictable
+  int64_t host_blocks = 0;
+  int64_t host_free_blocks = 0;
+  int64_t prefix_query_tokens = 0;
+  int64_t prefix_hit_tokens = 0;
+  double prefix_hit_rate = 0;  // hit / query tokens (0 before any query)
+  double usage = 0;            // used / num_blocks (vLLM kv_cache_usage_perc)
+};
+
+enum class Admission { kOk, kLater, kNever };
 
 struct EngineInfo {
   std::string instance_id;
@@ -56,9 +82,10 @@ struct EngineInfo {
   CacheConfig cache;
   EngineLimits limits;
   BlockOrder block_order;
-  int64_t free_blocks = 0;
+  int64_t free_blocks = 0;  // available to allocations (free + evictable)
   int64_t num_sequences = 0;
   int64_t num_batches = 0;
+  BlockStats stats;
 };
 
 struct SequenceBlocks {
@@ -66,11 +93,20 @@ struct SequenceBlocks {
   std::vector<BlockId> new_blocks;
   std::vector<BlockId> block_table;
   bool created = false;
+  int64_t computed_tokens = 0;    // prefix-cache hits
+  std::vector<BlockCopy> copies;  // copy-on-write, already done
 };
 
 struct AllocateResult {
   std::vector<SequenceBlocks> sequences;
   int64_t free_blocks = 0;
+};
+
+struct SwapOutcome {
+  std::vector<BlockCopy> copies;  // already done
+  std::vector<BatchId> stale_batches;
+  int64_t free_blocks = 0;
+  int64_t host_free_blocks = 0;
 };
 
 struct FreeResult {
@@ -123,6 +159,35 @@ class Engine {
       absl::Span<const SequenceRequest> requests);
   FreeResult FreeSequences(absl::Span<const SeqId> ids);
 
+  // Whether AllocateBlocks(requests) could be served now (OK), after other
+  // sequences free blocks (LATER: it would leave fewer than the watermark
+  // available), or never (NEVER: more than the whole pool, or past
+  // max_seq_len). Changes nothing. `*needed` gets the blocks it would take.
+  absl::StatusOr<Admission> CanAllocate(
+      absl::Span<const SequenceRequest> requests, int64_t* needed) const;
+
+  // The child shares all of the parent's blocks (parallel sampling, beam
+  // search); the first write into a shared partial block copies it.
+  absl::Status ForkSequence(SeqId parent, SeqId child);
+
+  // Moves sequences' blocks to the host tier and back (whole-block copies).
+  // Batches with a row on a swapped-out sequence become stale.
+  absl::StatusOr<SwapOutcome> SwapOut(absl::Span<const SeqId> ids);
+  absl::StatusOr<SwapOutcome> SwapIn(absl::Span<const SeqId> ids);
+
+  // Forgets every cached block hash (their blocks become free when
+  // unreferenced). Emits AllBlocksCleared.
+  void ResetPrefixCache();
+
+  BlockStats Stats() const;
+
+  // KV events from `from` on (see EventLog::Read).
+  std::vector<KvEvent> ReadEvents(int64_t from, size_t max_events,
+                                  absl::Duration timeout, int64_t* missed) {
+    return events_.Read(from, max_events, timeout, missed);
+  }
+  int64_t next_event_seq_no() const { return events_.next_seq_no(); }
+
   // Creates a batch; then, only if that succeeded, releases `release`
   // (unknown ids there are INVALID_ARGUMENT, checked first).
   absl::StatusOr<CreateBatchResult> CreateBatch(
@@ -146,19 +211,31 @@ class Engine {
   absl::Status CheckInvariants() const;
 
  private:
-  Engine(const EngineOptions& options, std::unique_ptr<KvCache> cache);
+  Engine(const EngineOptions& options, std::unique_ptr<KvCache> cache,
+         std::unique_ptr<KvCache> host_cache);
 
   absl::StatusOr<BatchSnapshot> Snapshot(const Batch& b) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseLocked(BatchId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SyncBatches(const Sequence& seq, SeqId id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MarkStale(const std::vector<BatchId>& batches, SeqId id,
+                 std::vector<BatchId>* stale)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  BlockStats StatsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<SwapOutcome> Swap(absl::Span<const SeqId> ids, bool out);
 
   const std::string instance_id_;
   const EngineLimits limits_;
+  const double watermark_;
   Device* const device_;
   const std::unique_ptr<KvCache> cache_;
+  const std::unique_ptr<KvCache> host_cache_;  // null without a host tier
+  EventLog events_;  // own lock; appended to under mu_
 
   mutable Mutex mu_;
   BlockAllocator allocator_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<BlockAllocator> host_allocator_ ABSL_GUARDED_BY(mu_);
   SequenceManager seqs_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<BatchId, std::unique_ptr<Batch>> batches_
       ABSL_GUARDED_BY(mu_);

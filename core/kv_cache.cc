@@ -71,6 +71,29 @@ std::string CacheConfig::DebugString() const {
       DTypeName(dtype), CacheLayoutName(layout));
 }
 
+void KvCache::CopyBlock(const KvCache& src, int64_t src_block,
+                        const KvCache& dst, int64_t dst_block) {
+  // The block is the outermost dimension of both layouts: its bytes are
+  // contiguous.
+  const size_t n = static_cast<size_t>(src.config_.bytes_per_block());
+  for (int64_t l = 0; l < src.config_.num_layers; ++l) {
+    for (const auto* pair : {&src.keys_, &src.values_}) {
+      const bool is_key = pair == &src.keys_;
+      const Tensor& from = (*pair)[l];
+      const Tensor& to = is_key ? dst.keys_[l] : dst.values_[l];
+      const char* s = static_cast<const char*>(from.raw_data()) + src_block * n;
+      char* d = static_cast<char*>(to.raw_data()) + dst_block * n;
+      if (from.device() == to.device()) {
+        from.device()->Copy(d, s, n);
+      } else if (from.device()->host_accessible()) {
+        to.device()->CopyFromHost(d, s, n);
+      } else {
+        from.device()->CopyToHost(d, s, n);
+      }
+    }
+  }
+}
+
 absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(
     const CacheConfig& config, Device* device) {
   Shape key_shape, value_shape;

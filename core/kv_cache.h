@@ -70,6 +70,12 @@ class KvCache {
       const CacheConfig& config, Device* device);
 
   const CacheConfig& config() const { return config_; }
+
+  // Copies block `src_block` of `src` (K and V of every layer, whole-block
+  // bytes) to block `dst_block` of `dst`. The two caches may be different
+  // tiers; their geometry other than num_blocks must match.
+  static void CopyBlock(const KvCache& src, int64_t src_block,
+                        const KvCache& dst, int64_t dst_block);
   const Tensor& key(int64_t layer) const { return keys_[layer]; }
   const Tensor& value(int64_t layer) const { return values_[layer]; }
 

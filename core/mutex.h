@@ -8,6 +8,8 @@
 #ifndef KVSTEP_CORE_MUTEX_H_
 #define KVSTEP_CORE_MUTEX_H_
 
+#include <chrono>
+#include <condition_variable>
 #include <mutex>
 
 #include "absl/base/thread_annotations.h"
@@ -18,6 +20,19 @@ class ABSL_LOCKABLE Mutex {
  public:
   void Lock() ABSL_EXCLUSIVE_LOCK_FUNCTION() { mu_.lock(); }
   void Unlock() ABSL_UNLOCK_FUNCTION() { mu_.unlock(); }
+
+  // Releases the mutex while waiting on `cv` until notified (spurious
+  // wake-ups included) or `deadline`; holds it again on return.
+  template <typename Clock, typename Duration>
+  std::cv_status WaitUntil(
+      std::condition_variable& cv,
+      const std::chrono::time_point<Clock, Duration>& deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) {
+    std::unique_lock<std::mutex> lock(mu_, std::adopt_lock);
+    const std::cv_status status = cv.wait_until(lock, deadline);
+    lock.release();  // still held; ownership stays with the caller
+    return status;
+  }
 
  private:
   std::mutex mu_;

@@ -60,7 +60,8 @@ TEST(BlockAllocator, DoubleReleaseIsAnErrorAndChangesNothing) {
 class SequenceManagerTest : public ::testing::Test {
  protected:
   BlockAllocator alloc_{20, BlockOrder::kDescending};
-  SequenceManager seqs_{&alloc_, /*block_size=*/4, /*max_seq_len=*/64,
+  SequenceManager seqs_{&alloc_, /*host=*/nullptr, /*block_size=*/4,
+                        /*max_seq_len=*/64,
                         /*max_sequences=*/3};
 };
 
@@ -99,7 +100,7 @@ TEST_F(SequenceManagerTest, ShortageTakesNothingAndSaysHowMany) {
   absl::Status s = seqs_.Allocate({{1, 64}, {2, 24}}, &out);  // 1 + 6 > 5
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(std::string(s.message()),
-              HasSubstr("need 7 blocks, 5 free: 2 blocks missing"));
+              HasSubstr("need 7 blocks, 5 available: 2 blocks missing"));
   EXPECT_TRUE(out.empty());
   EXPECT_EQ(seqs_.Find(2), nullptr);  // not created either
   EXPECT_EQ(seqs_.Find(1)->blocks.size(), 15u);
