@@ -433,11 +433,21 @@ absl::StatusOr<AdvanceResult> Engine::AdvanceStep(BatchId id,
   // Keep the sequences in step; rows dropped by a prefill turn (unsampled
   // chunks) no longer belong to this batch.
   const std::vector<SeqId>& after = b.seq_ids();
-  const Tensor& lens = b.tensors().state.seq_lens;
+  const StepState& st = b.tensors().state;
+  const int64_t q = b.tokens_per_row();
   for (size_t i = 0; i < after.size(); ++i) {
-    seqs_.Find(after[i])->num_tokens = lens.dtype() == DType::kInt32
-                                           ? lens.data<int32_t>()[i]
-                                           : lens.data<int64_t>()[i];
+    Sequence* seq = seqs_.Find(after[i]);
+    seq->num_tokens = st.seq_lens.dtype() == DType::kInt32
+                          ? st.seq_lens.data<int32_t>()[i]
+                          : st.seq_lens.data<int64_t>()[i];
+    // The row's first token is a real sample; speculative drafts after it
+    // are recorded but not cached (they may be rejected).
+    const int64_t first = st.input_positions.data<int64_t>()[i * q];
+    seqs_.RecordTokens(
+        seq, first,
+        absl::MakeConstSpan(st.input_tokens.data<int64_t>() + i * q,
+                            static_cast<size_t>(q)),
+        first + 1);
   }
   if (after.size() != before.size()) {
     for (SeqId sid : before) {
@@ -474,12 +484,31 @@ absl::Status Engine::CheckInvariants() const {
   seqs_.ForEach(
       [&all](SeqId id, const Sequence& seq) { all.emplace_back(id, &seq); });
   for (const auto& [id, seq] : all) {
+    const int64_t tier_blocks = seq->swapped ? nh : nb;
     for (BlockId b : seq->blocks) {
-      if (b < 0 || b >= nb) {
+      if (b < 0 || b >= tier_blocks) {
         return absl::InternalError(
-            absl::StrFormat("seq %d lists block %d outside the pool", id, b));
+            absl::StrFormat("seq %d lists block %d outside its tier", id, b));
       }
-      ++refs[b];
+      ++(seq->swapped ? host_refs : refs)[b];
+    }
+    if (static_cast<int64_t>(seq->tokens.size()) < seq->num_tokens) {
+      return absl::InternalError(
+          absl::StrFormat("seq %d knows %d tokens but has %d computed", id,
+                          seq->tokens.size(), seq->num_tokens));
+    }
+    if (seq->swapped && !seq->batches.empty()) {
+      return absl::InternalError(
+          absl::StrFormat("swapped-out seq %d is still in a batch", id));
+    }
+    for (size_t c = 0;
+         !seq->swapped && c < seq->hashes.size() && c < seq->blocks.size();
+         ++c) {
+      const std::optional<BlockHash> h = allocator_.HashOf(seq->blocks[c]);
+      if (h.has_value() && *h != seq->hashes[c]) {
+        return absl::InternalError(absl::StrFormat(
+            "seq %d block %d is registered under another hash", id, c));
+      }
     }
     for (BatchId bid : seq->batches) {
       auto it = batches_.find(bid);
@@ -515,10 +544,33 @@ absl::Status Engine::CheckInvariants() const {
     }
     if (refs[b] == 0) ++free_count;
   }
-  if (free_count != allocator_.num_free()) {
+  if (free_count != allocator_.num_available()) {
     return absl::InternalError(
-        absl::StrFormat("%d blocks are unowned but the free list holds %d",
-                        free_count, allocator_.num_free()));
+        absl::StrFormat("%d blocks are unowned but %d are free or evictable",
+                        free_count, allocator_.num_available()));
+  }
+  int64_t evictable = 0;
+  for (int64_t b = 0; b < nb; ++b) {
+    const bool has_hash =
+        allocator_.HashOf(static_cast<BlockId>(b)).has_value();
+    if (refs[b] == 0 && has_hash) ++evictable;
+    if (refs[b] == 0 && !has_hash &&
+        !allocator_.IsOnFreeList(static_cast<BlockId>(b))) {
+      return absl::InternalError(
+          absl::StrFormat("block %d is neither owned, cached nor free", b));
+    }
+  }
+  if (evictable != allocator_.num_evictable()) {
+    return absl::InternalError(
+        absl::StrFormat("%d cached unreferenced blocks, the evictor holds %d",
+                        evictable, allocator_.num_evictable()));
+  }
+  for (int64_t b = 0; b < nh; ++b) {
+    if (host_allocator_->RefCount(static_cast<BlockId>(b)) != host_refs[b]) {
+      return absl::InternalError(absl::StrFormat(
+          "host block %d has reference count %d but %d sequences list it", b,
+          host_allocator_->RefCount(static_cast<BlockId>(b)), host_refs[b]));
+    }
   }
   return absl::OkStatus();
 }
