@@ -157,6 +157,65 @@ absl::StatusOr<v1::PagedAttentionResponse> Client::PagedAttention(
       });
 }
 
+absl::StatusOr<v1::ForkSequenceResponse> Client::ForkSequence(
+    uint64_t parent, absl::Span<const uint64_t> children,
+    absl::Duration timeout) {
+  v1::ForkSequenceRequest req;
+  req.set_parent_seq_id(parent);
+  req.mutable_child_seq_ids()->Assign(children.begin(), children.end());
+  return Invoke<v1::ForkSequenceResponse>(
+      timeout, [&](grpc::ClientContext* ctx, v1::ForkSequenceResponse* r) {
+        return stub_->ForkSequence(ctx, req, r);
+      });
+}
+
+absl::StatusOr<v1::CanAllocateResponse> Client::CanAllocate(
+    const v1::AllocateBlocksRequest& req, absl::Duration timeout) {
+  return Invoke<v1::CanAllocateResponse>(
+      timeout, [&](grpc::ClientContext* ctx, v1::CanAllocateResponse* r) {
+        return stub_->CanAllocate(ctx, req, r);
+      });
+}
+
+absl::StatusOr<v1::SwapResponse> Client::SwapOut(
+    absl::Span<const uint64_t> seq_ids, absl::Duration timeout) {
+  v1::SwapRequest req;
+  req.mutable_seq_ids()->Assign(seq_ids.begin(), seq_ids.end());
+  return Invoke<v1::SwapResponse>(
+      timeout, [&](grpc::ClientContext* ctx, v1::SwapResponse* r) {
+        return stub_->SwapOut(ctx, req, r);
+      });
+}
+
+absl::StatusOr<v1::SwapResponse> Client::SwapIn(
+    absl::Span<const uint64_t> seq_ids, absl::Duration timeout) {
+  v1::SwapRequest req;
+  req.mutable_seq_ids()->Assign(seq_ids.begin(), seq_ids.end());
+  return Invoke<v1::SwapResponse>(
+      timeout, [&](grpc::ClientContext* ctx, v1::SwapResponse* r) {
+        return stub_->SwapIn(ctx, req, r);
+      });
+}
+
+absl::StatusOr<v1::ResetPrefixCacheResponse> Client::ResetPrefixCache(
+    absl::Duration timeout) {
+  return Invoke<v1::ResetPrefixCacheResponse>(
+      timeout, [&](grpc::ClientContext* ctx, v1::ResetPrefixCacheResponse* r) {
+        return stub_->ResetPrefixCache(ctx, v1::ResetPrefixCacheRequest(), r);
+      });
+}
+
+std::unique_ptr<Client::EventSubscription> Client::SubscribeKvEvents(
+    const v1::SubscribeKvEventsRequest& req) {
+  auto sub = std::unique_ptr<EventSubscription>(new EventSubscription());
+  sub->reader_ = stub_->SubscribeKvEvents(&sub->ctx_, req);
+  return sub;
+}
+
+absl::Status Client::EventSubscription::Finish() {
+  return FromGrpc(reader_->Finish());
+}
+
 absl::StatusOr<bool> Client::IsServing(absl::Duration timeout) {
   auto health = grpc::health::v1::Health::NewStub(channel_);
   grpc::ClientContext ctx;

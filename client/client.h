@@ -72,6 +72,39 @@ class Client {
       const v1::PagedAttentionRequest& req,
       absl::Duration timeout = absl::ZeroDuration());
 
+  absl::StatusOr<v1::ForkSequenceResponse> ForkSequence(
+      uint64_t parent, absl::Span<const uint64_t> children,
+      absl::Duration timeout = absl::ZeroDuration());
+  absl::StatusOr<v1::CanAllocateResponse> CanAllocate(
+      const v1::AllocateBlocksRequest& req,
+      absl::Duration timeout = absl::ZeroDuration());
+  absl::StatusOr<v1::SwapResponse> SwapOut(
+      absl::Span<const uint64_t> seq_ids,
+      absl::Duration timeout = absl::ZeroDuration());
+  absl::StatusOr<v1::SwapResponse> SwapIn(
+      absl::Span<const uint64_t> seq_ids,
+      absl::Duration timeout = absl::ZeroDuration());
+  absl::StatusOr<v1::ResetPrefixCacheResponse> ResetPrefixCache(
+      absl::Duration timeout = absl::ZeroDuration());
+
+  // A KV-event stream; no deadline (it runs until cancelled).
+  class EventSubscription {
+   public:
+    // Blocks for the next batch; false when the stream ended.
+    bool Next(v1::KvEventBatch* batch) { return reader_->Read(batch); }
+    // Ends the stream from any thread; Next() then returns false.
+    void Cancel() { ctx_.TryCancel(); }
+    // The stream's final status, after Next() returned false.
+    absl::Status Finish();
+
+   private:
+    friend class Client;
+    grpc::ClientContext ctx_;
+    std::unique_ptr<grpc::ClientReader<v1::KvEventBatch>> reader_;
+  };
+  std::unique_ptr<EventSubscription> SubscribeKvEvents(
+      const v1::SubscribeKvEventsRequest& req);
+
   // The standard grpc.health.v1 check of the KvStep service: true when
   // SERVING.
   absl::StatusOr<bool> IsServing(absl::Duration timeout = absl::ZeroDuration());

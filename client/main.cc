@@ -36,7 +36,8 @@ int Fail(const absl::Status& s) {
 
 int Usage() {
   std::fprintf(stderr,
-               "usage: kvstep-cli [flags] info | health | allocate SEQ TOKENS "
+               "usage: kvstep-cli [flags] info | health | stats | events | "
+               "allocate SEQ TOKENS "
                "[SEQ TOKENS ...] | free SEQ [SEQ ...] | demo\n");
   return 2;
 }
@@ -45,7 +46,8 @@ int Usage() {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "kvstep-cli info|health|allocate|free|demo: talks to a kvstep server");
+      "kvstep-cli info|health|stats|events|allocate|free|demo: talks to a "
+      "kvstep server");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() < 2) return Usage();
   const std::string cmd = args[1];
@@ -68,6 +70,17 @@ int main(int argc, char** argv) {
     auto r = client->GetServerInfo();
     if (!r.ok()) return Fail(r.status());
     std::cout << r->DebugString();
+  } else if (cmd == "stats") {
+    auto r = client->GetServerInfo();
+    if (!r.ok()) return Fail(r.status());
+    std::cout << r->stats().DebugString();
+  } else if (cmd == "events") {
+    kvstep::v1::SubscribeKvEventsRequest req;
+    req.set_from_now(true);
+    auto sub = client->SubscribeKvEvents(req);
+    kvstep::v1::KvEventBatch batch;
+    while (sub->Next(&batch)) std::cout << batch.DebugString() << std::flush;
+    return Fail(sub->Finish());
   } else if (cmd == "health") {
     auto r = client->IsServing();
     if (!r.ok()) return Fail(r.status());

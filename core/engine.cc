@@ -224,9 +224,46 @@ absl::StatusOr<Admission> Engine::CanAllocate(
   return Admission::kLater;
 }
 
-absl::Status Engine::ForkSequence(SeqId parent, SeqId child) {
+absl::StatusOr<std::vector<SequenceBlocks>> Engine::ForkSequence(
+    SeqId parent, absl::Span<const SeqId> children) {
   MutexLock lock(&mu_);
-  return seqs_.Fork(parent, child);
+  // Check everything first so that a failure creates no child.
+  if (children.empty()) {
+    return absl::InvalidArgumentError("child_seq_ids is empty");
+  }
+  const Sequence* p = seqs_.Find(parent);
+  if (p == nullptr) {
+    return absl::NotFoundError(
+        absl::StrFormat("parent seq %d does not exist", parent));
+  }
+  if (p->swapped) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("parent seq %d is swapped out", parent));
+  }
+  for (size_t i = 0; i < children.size(); ++i) {
+    if (seqs_.Find(children[i]) != nullptr ||
+        std::find(children.begin(), children.begin() + i, children[i]) !=
+            children.begin() + i) {
+      return absl::AlreadyExistsError(absl::StrFormat(
+          "child_seq_ids[%d]: seq %d already exists", i, children[i]));
+    }
+  }
+  if (seqs_.size() + static_cast<int64_t>(children.size()) >
+      limits_.max_sequences) {
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("%d children would exceed max_sequences %d",
+                        children.size(), limits_.max_sequences));
+  }
+  std::vector<SequenceBlocks> out;
+  for (SeqId child : children) {
+    if (absl::Status s = seqs_.Fork(parent, child); !s.ok()) return s;
+    SequenceBlocks sb;
+    sb.seq_id = child;
+    sb.block_table = seqs_.Find(child)->blocks;
+    sb.created = true;
+    out.push_back(std::move(sb));
+  }
+  return out;
 }
 
 absl::StatusOr<SwapOutcome> Engine::SwapOut(absl::Span<const SeqId> ids) {

@@ -168,7 +168,9 @@ class Engine {
 
   // The child shares all of the parent's blocks (parallel sampling, beam
   // search); the first write into a shared partial block copies it.
-  absl::Status ForkSequence(SeqId parent, SeqId child);
+  // All children or none are created; each gets the parent's table.
+  absl::StatusOr<std::vector<SequenceBlocks>> ForkSequence(
+      SeqId parent, absl::Span<const SeqId> children);
 
   // Moves sequences' blocks to the host tier and back (whole-block copies).
   // Batches with a row on a swapped-out sequence become stale.

@@ -48,7 +48,16 @@ absl::Status SequenceManager::MakePlan(
   for (size_t i = 0; i < requests.size(); ++i) {
     const SequenceRequest& r = requests[i];
     Plan::Item& item = plan->items[i];
-    if (!seen.insert(r.seq_id).second) {
+    // Small requests (the per-step common case) check duplicates by a scan
+    // rather than paying for a hash set.
+    const bool repeated =
+        requests.size() <= 16
+            ? std::any_of(requests.begin(), requests.begin() + i,
+                          [&](const SequenceRequest& o) {
+                            return o.seq_id == r.seq_id;
+                          })
+            : !seen.insert(r.seq_id).second;
+    if (repeated) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "sequences[%d]: seq %d appears more than once", i, r.seq_id));
     }
@@ -103,9 +112,11 @@ absl::Status SequenceManager::MakePlan(
       const int64_t last = std::min(have, want_blocks);
       for (int64_t c = first; c < last; ++c) {
         const BlockId b = s.blocks[c];
-        if (device_->RefCount(b) - planned_release[b] > 1) {
+        if (device_->RefCount(b) <= 1) continue;  // the common case
+        int32_t& released = planned_release[b];
+        if (device_->RefCount(b) - released > 1) {
           item.cow_index.push_back(c);
-          ++planned_release[b];
+          ++released;
         }
       }
       item.grow = std::max<int64_t>(0, want_blocks - have);

@@ -2,7 +2,9 @@
 
 #include <string>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 
 namespace kvstep {
 
@@ -50,6 +52,101 @@ void TensorToProto(const Tensor& tensor, v1::Tensor* proto) {
   proto->mutable_shape()->Assign(tensor.shape().begin(), tensor.shape().end());
   proto->mutable_data()->assign(static_cast<const char*>(tensor.raw_data()),
                                 tensor.nbytes());
+}
+
+std::string ExtraKey(absl::string_view adapter_id, absl::string_view salt) {
+  if (adapter_id.empty() && salt.empty()) return "";
+  return absl::StrCat(adapter_id.size(), ":", adapter_id, salt);
+}
+
+namespace {
+
+// The adapter id back from ExtraKey's encoding.
+std::string AdapterOf(absl::string_view extra) {
+  const size_t colon = extra.find(':');
+  size_t n = 0;
+  if (colon == absl::string_view::npos ||
+      !absl::SimpleAtoi(extra.substr(0, colon), &n) ||
+      colon + 1 + n > extra.size()) {
+    return "";
+  }
+  return std::string(extra.substr(colon + 1, n));
+}
+
+std::string HashBytes(const BlockHash& h) {
+  std::string out(16, '\0');
+  for (int i = 0; i < 8; ++i) {
+    out[i] = static_cast<char>(h.hi >> (56 - 8 * i));
+    out[8 + i] = static_cast<char>(h.lo >> (56 - 8 * i));
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<SequenceRequest>> SequenceRequestsFromProto(
+    const v1::AllocateBlocksRequest& req) {
+  std::vector<SequenceRequest> out(req.sequences_size());
+  for (int i = 0; i < req.sequences_size(); ++i) {
+    const v1::SequenceAllocation& a = req.sequences(i);
+    if (a.num_lookahead_tokens() < 0 ||
+        a.num_lookahead_tokens() > (int64_t{1} << 40) ||
+        a.num_tokens() > (int64_t{1} << 40)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "sequences[%d] (seq %d): num_lookahead_tokens %d must be in "
+          "[0, 2^40] and num_tokens at most 2^40",
+          i, a.seq_id(), a.num_lookahead_tokens()));
+    }
+    out[i].seq_id = a.seq_id();
+    out[i].num_tokens = a.num_tokens() + a.num_lookahead_tokens();
+    out[i].prompt_token_ids.assign(a.prompt_token_ids().begin(),
+                                   a.prompt_token_ids().end());
+    out[i].extra_key = ExtraKey(a.adapter_id(), a.cache_salt());
+  }
+  return out;
+}
+
+void BlockCopyToProto(const BlockCopy& c, v1::BlockCopy* p) {
+  p->set_src(c.src);
+  p->set_dst(c.dst);
+}
+
+void SequenceBlocksToProto(const SequenceBlocks& s, int64_t block_size,
+                           v1::SequenceBlocks* out) {
+  out->set_seq_id(s.seq_id);
+  out->mutable_new_block_ids()->Assign(s.new_blocks.begin(),
+                                       s.new_blocks.end());
+  out->mutable_block_table()->Assign(s.block_table.begin(),
+                                     s.block_table.end());
+  out->set_capacity_tokens(static_cast<int64_t>(s.block_table.size()) *
+                           block_size);
+  out->set_created(s.created);
+  out->set_computed_tokens(s.computed_tokens);
+  for (const BlockCopy& c : s.copies) BlockCopyToProto(c, out->add_copies());
+}
+
+void KvEventToProto(const KvEvent& e, v1::KvEvent* p) {
+  p->set_seq_no(e.seq_no);
+  switch (e.type) {
+    case KvEvent::Type::kBlockStored: {
+      v1::KvEvent::BlockStored* s = p->mutable_block_stored();
+      for (const BlockHash& h : e.block_hashes)
+        s->add_block_hashes(HashBytes(h));
+      if (e.parent_hash) s->set_parent_block_hash(HashBytes(*e.parent_hash));
+      s->mutable_token_ids()->Assign(e.token_ids.begin(), e.token_ids.end());
+      s->set_block_size(e.block_size);
+      s->set_adapter_id(AdapterOf(e.extra_key));
+      break;
+    }
+    case KvEvent::Type::kBlockRemoved:
+      for (const BlockHash& h : e.block_hashes) {
+        p->mutable_block_removed()->add_block_hashes(HashBytes(h));
+      }
+      break;
+    case KvEvent::Type::kAllBlocksCleared:
+      p->mutable_all_blocks_cleared();
+      break;
+  }
 }
 
 void SnapshotToProto(const BatchSnapshot& snap, v1::BatchTensors* p) {
@@ -105,6 +202,20 @@ void InfoToProto(const EngineInfo& info, int64_t max_message_bytes,
   p->set_num_sequences(info.num_sequences);
   p->set_num_batches(info.num_batches);
   p->set_block_order(std::string(BlockOrderName(info.block_order)));
+  const BlockStats& st = info.stats;
+  v1::BlockStats* o = p->mutable_stats();
+  o->set_num_blocks(st.num_blocks);
+  o->set_free_blocks(st.free_blocks);
+  o->set_cached_blocks(st.cached_blocks);
+  o->set_evictable_blocks(st.evictable_blocks);
+  o->set_used_blocks(st.used_blocks);
+  o->set_available_blocks(st.available_blocks);
+  o->set_host_blocks(st.host_blocks);
+  o->set_host_free_blocks(st.host_free_blocks);
+  o->set_prefix_query_tokens(st.prefix_query_tokens);
+  o->set_prefix_hit_tokens(st.prefix_hit_tokens);
+  o->set_prefix_hit_rate(st.prefix_hit_rate);
+  o->set_kv_cache_usage_perc(st.usage);
 }
 
 }  // namespace kvstep

@@ -7,6 +7,9 @@
 
 #include <grpcpp/support/status.h>
 
+#include <string>
+#include <vector>
+
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "core/engine.h"
@@ -26,6 +29,17 @@ void TensorToProto(const Tensor& tensor, v1::Tensor* proto);
 
 DType DTypeFromProto(v1::DType dtype);  // kInvalid when out of range
 v1::DType DTypeToProto(DType dtype);
+
+// AllocateBlocks / CanAllocate requests: lookahead added (checked for
+// overflow), adapter id and cache salt combined into the hash extra key.
+absl::StatusOr<std::vector<SequenceRequest>> SequenceRequestsFromProto(
+    const v1::AllocateBlocksRequest& req);
+void SequenceBlocksToProto(const SequenceBlocks& s, int64_t block_size,
+                           v1::SequenceBlocks* proto);
+void BlockCopyToProto(const BlockCopy& c, v1::BlockCopy* proto);
+void KvEventToProto(const KvEvent& e, v1::KvEvent* proto);
+// The extra key of the block hashes: unambiguous for any adapter and salt.
+std::string ExtraKey(absl::string_view adapter_id, absl::string_view salt);
 
 void SnapshotToProto(const BatchSnapshot& snap, v1::BatchTensors* proto);
 void FlashInferToProto(const FlashInferOutputs& fi,

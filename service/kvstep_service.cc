@@ -38,26 +38,121 @@ grpc::Status KvStepService::GetServerInfo(grpc::ServerContext*,
 grpc::Status KvStepService::AllocateBlocks(grpc::ServerContext*,
                                            const v1::AllocateBlocksRequest* req,
                                            v1::AllocateBlocksResponse* resp) {
-  std::vector<SequenceRequest> requests(req->sequences_size());
-  for (int i = 0; i < req->sequences_size(); ++i) {
-    requests[i].seq_id = req->sequences(i).seq_id();
-    requests[i].num_tokens = req->sequences(i).num_tokens();
-  }
-  absl::StatusOr<AllocateResult> r = engine_->AllocateBlocks(requests);
+  absl::StatusOr<std::vector<SequenceRequest>> requests =
+      SequenceRequestsFromProto(*req);
+  if (!requests.ok()) return ToGrpcStatus(requests.status());
+  absl::StatusOr<AllocateResult> r = engine_->AllocateBlocks(*requests);
   if (!r.ok()) return ToGrpcStatus(r.status());
   const int64_t bs = engine_->cache_config().block_size;
   for (const SequenceBlocks& s : r->sequences) {
-    v1::SequenceBlocks* out = resp->add_sequences();
-    out->set_seq_id(s.seq_id);
-    out->mutable_new_block_ids()->Assign(s.new_blocks.begin(),
-                                         s.new_blocks.end());
-    out->mutable_block_table()->Assign(s.block_table.begin(),
-                                       s.block_table.end());
-    out->set_capacity_tokens(static_cast<int64_t>(s.block_table.size()) * bs);
-    out->set_created(s.created);
+    SequenceBlocksToProto(s, bs, resp->add_sequences());
   }
   resp->set_free_blocks(r->free_blocks);
   resp->set_server_instance_id(engine_->instance_id());
+  return grpc::Status::OK;
+}
+
+grpc::Status KvStepService::CanAllocate(grpc::ServerContext*,
+                                        const v1::AllocateBlocksRequest* req,
+                                        v1::CanAllocateResponse* resp) {
+  absl::StatusOr<std::vector<SequenceRequest>> requests =
+      SequenceRequestsFromProto(*req);
+  if (!requests.ok()) return ToGrpcStatus(requests.status());
+  int64_t needed = 0;
+  absl::StatusOr<Admission> a = engine_->CanAllocate(*requests, &needed);
+  if (!a.ok()) return ToGrpcStatus(a.status());
+  switch (*a) {
+    case Admission::kOk:
+      resp->set_admission(v1::CanAllocateResponse::ADMISSION_OK);
+      break;
+    case Admission::kLater:
+      resp->set_admission(v1::CanAllocateResponse::ADMISSION_LATER);
+      break;
+    case Admission::kNever:
+      resp->set_admission(v1::CanAllocateResponse::ADMISSION_NEVER);
+      break;
+  }
+  resp->set_blocks_needed(needed);
+  resp->set_available_blocks(engine_->Stats().available_blocks);
+  resp->set_server_instance_id(engine_->instance_id());
+  return grpc::Status::OK;
+}
+
+grpc::Status KvStepService::ForkSequence(grpc::ServerContext*,
+                                         const v1::ForkSequenceRequest* req,
+                                         v1::ForkSequenceResponse* resp) {
+  std::vector<SeqId> children(req->child_seq_ids().begin(),
+                              req->child_seq_ids().end());
+  absl::StatusOr<std::vector<SequenceBlocks>> r =
+      engine_->ForkSequence(req->parent_seq_id(), children);
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  const int64_t bs = engine_->cache_config().block_size;
+  for (const SequenceBlocks& s : *r) {
+    SequenceBlocksToProto(s, bs, resp->add_children());
+  }
+  resp->set_server_instance_id(engine_->instance_id());
+  return grpc::Status::OK;
+}
+
+grpc::Status KvStepService::Swap(const v1::SwapRequest& req, bool out,
+                                 v1::SwapResponse* resp) {
+  std::vector<SeqId> ids(req.seq_ids().begin(), req.seq_ids().end());
+  absl::StatusOr<SwapOutcome> r =
+      out ? engine_->SwapOut(ids) : engine_->SwapIn(ids);
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  for (const BlockCopy& c : r->copies) BlockCopyToProto(c, resp->add_copies());
+  resp->mutable_stale_batch_ids()->Assign(r->stale_batches.begin(),
+                                          r->stale_batches.end());
+  resp->set_free_blocks(r->free_blocks);
+  resp->set_host_free_blocks(r->host_free_blocks);
+  resp->set_server_instance_id(engine_->instance_id());
+  return grpc::Status::OK;
+}
+
+grpc::Status KvStepService::SwapOut(grpc::ServerContext*,
+                                    const v1::SwapRequest* req,
+                                    v1::SwapResponse* resp) {
+  return Swap(*req, /*out=*/true, resp);
+}
+
+grpc::Status KvStepService::SwapIn(grpc::ServerContext*,
+                                   const v1::SwapRequest* req,
+                                   v1::SwapResponse* resp) {
+  return Swap(*req, /*out=*/false, resp);
+}
+
+grpc::Status KvStepService::ResetPrefixCache(
+    grpc::ServerContext*, const v1::ResetPrefixCacheRequest*,
+    v1::ResetPrefixCacheResponse* resp) {
+  engine_->ResetPrefixCache();
+  resp->set_server_instance_id(engine_->instance_id());
+  return grpc::Status::OK;
+}
+
+grpc::Status KvStepService::SubscribeKvEvents(
+    grpc::ServerContext* ctx, const v1::SubscribeKvEventsRequest* req,
+    grpc::ServerWriter<v1::KvEventBatch>* writer) {
+  if (req->from_seq_no() < 0) {
+    return Invalid("from_seq_no must be >= 0");
+  }
+  int64_t cursor =
+      req->from_now() ? engine_->next_event_seq_no() : req->from_seq_no();
+  // Wakes at least every 200 ms to notice cancellation and shutdown.
+  while (!ctx->IsCancelled() && !shutting_down_) {
+    int64_t missed = 0;
+    std::vector<KvEvent> events =
+        engine_->ReadEvents(cursor, 512, absl::Milliseconds(200), &missed);
+    if (events.empty() && missed == 0) continue;
+    v1::KvEventBatch batch;
+    batch.set_missed_events(missed);
+    batch.set_server_instance_id(engine_->instance_id());
+    cursor += missed;
+    for (const KvEvent& e : events) {
+      KvEventToProto(e, batch.add_events());
+      cursor = e.seq_no + 1;
+    }
+    if (!writer->Write(batch)) break;  // the client went away
+  }
   return grpc::Status::OK;
 }
 

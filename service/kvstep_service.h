@@ -5,6 +5,7 @@
 #ifndef KVSTEP_SERVICE_KVSTEP_SERVICE_H_
 #define KVSTEP_SERVICE_KVSTEP_SERVICE_H_
 
+#include <atomic>
 #include <cstdint>
 
 #include "core/engine.h"
@@ -42,13 +43,36 @@ class KvStepService final : public v1::KvStep::Service {
   grpc::Status PagedAttention(grpc::ServerContext* ctx,
                               const v1::PagedAttentionRequest* req,
                               v1::PagedAttentionResponse* resp) override;
+  grpc::Status ForkSequence(grpc::ServerContext* ctx,
+                            const v1::ForkSequenceRequest* req,
+                            v1::ForkSequenceResponse* resp) override;
+  grpc::Status CanAllocate(grpc::ServerContext* ctx,
+                           const v1::AllocateBlocksRequest* req,
+                           v1::CanAllocateResponse* resp) override;
+  grpc::Status SwapOut(grpc::ServerContext* ctx, const v1::SwapRequest* req,
+                       v1::SwapResponse* resp) override;
+  grpc::Status SwapIn(grpc::ServerContext* ctx, const v1::SwapRequest* req,
+                      v1::SwapResponse* resp) override;
+  grpc::Status ResetPrefixCache(grpc::ServerContext* ctx,
+                                const v1::ResetPrefixCacheRequest* req,
+                                v1::ResetPrefixCacheResponse* resp) override;
+  grpc::Status SubscribeKvEvents(
+      grpc::ServerContext* ctx, const v1::SubscribeKvEventsRequest* req,
+      grpc::ServerWriter<v1::KvEventBatch>* writer) override;
+
+  // Ends event streams (they would otherwise hold shutdown up until its
+  // deadline).
+  void BeginShutdown() { shutting_down_ = true; }
 
  private:
   grpc::Status AdvanceExplicit(const v1::AdvanceStepRequest& req,
                                v1::AdvanceStepResponse* resp);
+  grpc::Status Swap(const v1::SwapRequest& req, bool out,
+                    v1::SwapResponse* resp);
 
   Engine* const engine_;
   const int64_t max_message_bytes_;
+  std::atomic<bool> shutting_down_{false};
 };
 
 }  // namespace kvstep

@@ -39,6 +39,10 @@ ABSL_FLAG(int64_t, max_sequences, 65536, "live sequences");
 ABSL_FLAG(int64_t, max_batches, 256, "live batches");
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{64} << 20, "gRPC message limit");
 ABSL_FLAG(int64_t, max_cache_gib, 16, "refuse to start with a larger cache");
+ABSL_FLAG(int64_t, num_host_blocks, 0,
+          "blocks of the host tier for SwapOut/SwapIn (0: none)");
+ABSL_FLAG(double, watermark, 0.01,
+          "CanAllocate answers LATER below this fraction of free blocks");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(5),
           "time in-flight calls get to finish on SIGTERM");
 
@@ -98,6 +102,8 @@ int main(int argc, char** argv) {
     return Fail("--max_cache_gib must be in [1, 2^20]");
   }
   l.max_cache_bytes = gib << 30;
+  opt.engine.num_host_blocks = absl::GetFlag(FLAGS_num_host_blocks);
+  opt.engine.watermark = absl::GetFlag(FLAGS_watermark);
 
   const absl::Time t0 = absl::Now();
   absl::StatusOr<std::unique_ptr<kvstep::Server>> server =

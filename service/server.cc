@@ -76,6 +76,7 @@ void Server::Shutdown(absl::Duration grace) {
   if (auto* health = server_->GetHealthCheckService(); health != nullptr) {
     health->SetServingStatus(false);
   }
+  service_->BeginShutdown();
   server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
 }
 

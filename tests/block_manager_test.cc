@@ -99,9 +99,12 @@ TEST(Fork, SharesBlocksAndCopiesOnFirstWrite) {
   s.rows = {Row(1, Iota(5), 0)};  // 5 tokens: block 1 is partly filled
   absl::StatusOr<CreateBatchResult> b = e->CreateBatch(s, {}, false);
   ASSERT_TRUE(b.ok()) << b.status();
-  ASSERT_TRUE(e->ForkSequence(1, 2).ok());
-  EXPECT_EQ(e->ForkSequence(1, 2).code(), absl::StatusCode::kAlreadyExists);
-  EXPECT_EQ(e->ForkSequence(9, 3).code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(e->ForkSequence(1, std::vector<SeqId>{2}).ok());
+  EXPECT_EQ(e->ForkSequence(1, std::vector<SeqId>{3, 2}).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(e->Info().num_sequences, 2);  // seq 3 was not created either
+  EXPECT_EQ(e->ForkSequence(9, std::vector<SeqId>{3}).status().code(),
+            absl::StatusCode::kNotFound);
   EXPECT_EQ(e->Stats().used_blocks, 2);  // shared, not copied yet
   ASSERT_TRUE(e->CheckInvariants().ok()) << e->CheckInvariants();
 
@@ -462,7 +465,7 @@ TEST(BlockManagerModel, RandomOperationsAgainstAModel) {
         break;
       case 3: {  // fork
         const SeqId child = static_cast<SeqId>(uni(1, 6));
-        if (e->ForkSequence(id, child).ok()) {
+        if (e->ForkSequence(id, std::vector<SeqId>{child}).ok()) {
           live.insert(child);
           ntok[child] = ntok[id];
           prompts[child] = prompts[id];

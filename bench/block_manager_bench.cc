@@ -1,0 +1,102 @@
+// Block manager speed on one thread: raw allocate/release, a sequence's
+// allocate+free through the SequenceManager, fork, and prefix-cache lookup.
+// items_per_second counts blocks. Run: build/bench/block_manager_bench
+#include <vector>
+
+#include "benchmark/benchmark.h"
+#include "core/block_allocator.h"
+#include "core/sequence_manager.h"
+
+namespace kvstep {
+namespace {
+
+constexpr int64_t kBlocks = 1 << 16;
+constexpr int64_t kBs = 16;
+
+void BM_AllocatorAllocateRelease(benchmark::State& state) {
+  BlockAllocator a(kBlocks, BlockOrder::kAscending);
+  const int64_t n = state.range(0);
+  std::vector<BlockId> ids;
+  ids.reserve(n);
+  for (auto _ : state) {
+    ids.clear();
+    (void)a.Allocate(n, &ids);
+    (void)a.Release(ids);
+  }
+  state.SetItemsProcessed(state.iterations() * n * 2);  // one op each way
+}
+BENCHMARK(BM_AllocatorAllocateRelease)->Arg(1)->Arg(16)->Arg(256);
+
+void BM_SequenceAllocateFree(benchmark::State& state) {
+  BlockAllocator a(kBlocks, BlockOrder::kAscending);
+  SequenceManager m(&a, nullptr, kBs, 1 << 20, 1 << 20);
+  const int64_t blocks = state.range(0);
+  std::vector<SequenceGrowth> out;
+  std::vector<BatchId> batches;
+  SeqId id = 0;
+  for (auto _ : state) {
+    out.clear();
+    (void)m.Allocate({{++id, blocks * kBs}}, &out);
+    int64_t freed = 0;
+    m.Free(id, &freed, &batches);
+  }
+  state.SetItemsProcessed(state.iterations() * blocks * 2);
+}
+BENCHMARK(BM_SequenceAllocateFree)->Arg(1)->Arg(16)->Arg(256);
+
+void BM_Fork(benchmark::State& state) {
+  BlockAllocator a(kBlocks, BlockOrder::kAscending);
+  SequenceManager m(&a, nullptr, kBs, 1 << 20, 1 << 20);
+  const int64_t blocks = state.range(0);
+  std::vector<SequenceGrowth> out;
+  SequenceRequest r;
+  r.seq_id = 1;
+  r.num_tokens = blocks * kBs;
+  (void)m.Allocate({r}, &out);
+  m.Find(1)->num_tokens = blocks * kBs;
+  m.Find(1)->tokens.assign(blocks * kBs, 1);
+  std::vector<BatchId> batches;
+  for (auto _ : state) {
+    (void)m.Fork(1, 2);
+    int64_t freed = 0;
+    m.Free(2, &freed, &batches);
+  }
+  state.SetItemsProcessed(state.iterations() * blocks);
+}
+BENCHMARK(BM_Fork)->Arg(16)->Arg(256);
+
+// A new sequence whose whole prompt is cached: hash the chain, look up and
+// acquire each block, then free. Per block: one 16-token hash, one lookup.
+void BM_PrefixHit(benchmark::State& state) {
+  BlockAllocator a(kBlocks, BlockOrder::kAscending);
+  SequenceManager m(&a, nullptr, kBs, 1 << 20, 1 << 20);
+  const int64_t blocks = state.range(0);
+  std::vector<int64_t> prompt(blocks * kBs + 1);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = 1000 + i;
+  SequenceRequest r;
+  r.seq_id = 1;
+  r.num_tokens = static_cast<int64_t>(prompt.size());
+  r.prompt_token_ids = prompt;
+  std::vector<SequenceGrowth> out;
+  (void)m.Allocate({r}, &out);
+  m.RecordTokens(m.Find(1), 0, prompt, static_cast<int64_t>(prompt.size()));
+  std::vector<BatchId> batches;
+  SeqId id = 1;
+  int64_t hit = 0;
+  for (auto _ : state) {
+    r.seq_id = ++id;
+    out.clear();
+    (void)m.Allocate({r}, &out);
+    hit += out[0].computed_tokens;
+    int64_t freed = 0;
+    m.Free(id, &freed, &batches);
+  }
+  if (hit != static_cast<int64_t>(state.iterations()) * blocks * kBs) {
+    state.SkipWithError("not every block was a hit");
+  }
+  state.SetItemsProcessed(state.iterations() * blocks);
+}
+BENCHMARK(BM_PrefixHit)->Arg(16)->Arg(256);
+
+}  // namespace
+}  // namespace kvstep
