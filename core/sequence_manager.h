@@ -57,6 +57,9 @@ struct Sequence {
 };
 
 struct SequenceRequest {
+  SequenceRequest() = default;
+  SequenceRequest(SeqId id, int64_t tokens) : seq_id(id), num_tokens(tokens) {}
+
   SeqId seq_id = 0;
   int64_t num_tokens = 0;  // context + new tokens + look-ahead
   // For a new sequence: its prompt, for prefix-cache lookup, and the extra

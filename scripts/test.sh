@@ -27,5 +27,5 @@ if [ "${1:-}" != "--quick" ]; then
 
   echo "== TSan build and core test"
   scripts/build.sh build-tsan -DKVSTEP_SANITIZE=thread -DKVSTEP_BUILD_BENCH=OFF
-  TSAN_OPTIONS=halt_on_error=1 run_ctest build-tsan -R '^(Engine|Batch|AdvanceStep|Sequence|Block|Tensor|DType|Speculative)'
+  TSAN_OPTIONS=halt_on_error=1 run_ctest build-tsan -L core
 fi
