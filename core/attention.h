@@ -1,0 +1,78 @@
+// Paged attention on the CPU (SEMANTICS §6-§7): reshape_and_cache writes a
+// step's new K/V into the paged cache, PagedAttention computes attention of
+// the step's queries over each row's cached context.
+//
+// Rows are described by AttentionRows: row r owns query tokens
+// [query_start[r], query_start[r+1]) at the last positions of its seq_len
+// (decode: one token at seq_len - 1; a prefill chunk: causal over the cached
+// context plus the chunk). Rows from num_real on are padding: their output
+// is zero. Keys j <= p of a query at position p get
+//   logit_j = scale * dot(q, k_j) + slope_h * (j - p)
+// (only j > p - window with a sliding window), an exact softmax (divided by
+// the plain sum), and out = sum softmax_j * v_j, accumulated in fp32 and
+// stored in the query dtype. Slots past seq_len are never read, so unwritten
+// (even NaN) cache bytes cannot reach the output.
+//
+// Work is split by (row, KV head): the query heads of a GQA group share each
+// K/V block read. The partitioned kernel (vLLM v2) also splits long
+// contexts into partitions reduced by max/exp-sum, for parallelism when
+// there are few rows. Thread-compatible: the caller serializes writers of
+// the cache.
+#ifndef KVSTEP_CORE_ATTENTION_H_
+#define KVSTEP_CORE_ATTENTION_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "core/kv_cache.h"
+#include "core/tensor.h"
+#include "core/thread_pool.h"
+
+namespace kvstep {
+
+struct AttentionParams {
+  double scale = 0;                 // 0: 1 / sqrt(head_size)
+  std::vector<float> alibi_slopes;  // empty, or one per query head
+  int64_t sliding_window = 0;       // 0: none
+  float k_scale = 1;                // fp8 caches: stored = saturate(x / scale)
+  float v_scale = 1;
+  enum class Kernel { kAuto, kSinglePass, kPartitioned };
+  Kernel kernel = Kernel::kAuto;
+  int64_t partition_size = 512;
+};
+
+struct AttentionRows {
+  std::vector<int64_t> query_start;  // [n + 1], from 0 to num_tokens
+  std::vector<int64_t> seq_lens;     // [n]
+  std::vector<int64_t> block_tables;  // [n * width]
+  int64_t width = 0;
+  int64_t num_real = 0;  // rows >= num_real are padding
+};
+
+// Writes key and value ([num_tokens, num_kv_heads, head_size], float32,
+// float16 or bfloat16) into `layer` at `slots` (one per token; -1 skips the
+// token). Checks everything first: INVALID_ARGUMENT for shapes and dtypes,
+// OUT_OF_RANGE for a slot outside the pool; nothing is written on error.
+absl::Status ReshapeAndCache(const KvCache& cache, int64_t layer,
+                             const Tensor& key, const Tensor& value,
+                             absl::Span<const int64_t> slots, float k_scale,
+                             float v_scale);
+
+// Checks query ([num_tokens, num_heads, head_size], float32/16, bfloat16),
+// the rows and the params against the cache; errors name the row.
+absl::Status ValidateAttention(const CacheConfig& cache, const Tensor& query,
+                               const AttentionRows& rows,
+                               const AttentionParams& params);
+
+// Computes attention into *out (allocated, [num_tokens, num_heads,
+// head_size] in the query dtype). Validates first. `pool` may be null.
+absl::Status PagedAttention(const KvCache& cache, int64_t layer,
+                            const Tensor& query, const AttentionRows& rows,
+                            const AttentionParams& params, ThreadPool* pool,
+                            Tensor* out);
+
+}  // namespace kvstep
+
+#endif  // KVSTEP_CORE_ATTENTION_H_

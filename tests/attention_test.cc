@@ -1,0 +1,382 @@
+// Paged attention against a plain fp64 reference computed from the logical
+// K/V the test wrote (never from the cache's layout), over the grid of head
+// sizes, block sizes, layouts, dtypes and GQA ratios; plus the element
+// conversions and vLLM's raw cache layout.
+#include "core/attention.h"
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "core/float_convert.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace kvstep {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(FloatConvert, KnownEncodings) {
+  EXPECT_EQ(FloatToHalf(1.0f), 0x3c00);
+  EXPECT_EQ(FloatToHalf(-2.0f), 0xc000);
+  EXPECT_EQ(FloatToHalf(65504.0f), 0x7bff);
+  EXPECT_EQ(FloatToHalf(1e6f), 0x7c00);
+  EXPECT_EQ(FloatToHalf(1.0f + 1.0f / 2048), 0x3c00);  // tie: to even
+  EXPECT_EQ(FloatToHalf(1.0f + 3.0f / 2048), 0x3c02);
+  EXPECT_EQ(HalfToFloat(0x0001), std::ldexp(1.0f, -24));
+  EXPECT_EQ(FloatToBF16(1.0f), 0x3f80);
+  EXPECT_EQ(BF16ToFloat(0x3f80), 1.0f);
+  EXPECT_EQ(FloatToFp8E4M3(1.0f), 0x38);
+  EXPECT_EQ(FloatToFp8E4M3(448.0f), 0x7e);
+  EXPECT_EQ(FloatToFp8E4M3(1000.0f), 0x7e);  // saturates at 448
+  EXPECT_EQ(FloatToFp8E4M3(-1000.0f), 0xfe);
+  EXPECT_EQ(Fp8E4M3ToFloat(0x7e), 448.0f);
+  EXPECT_EQ(FloatToFp8E5M2(1.0f), 0x3c);
+  EXPECT_EQ(Fp8E5M2ToFloat(0x7b), 57344.0f);
+  EXPECT_EQ(FloatToFp8E5M2(1e9f), 0x7b);
+  EXPECT_TRUE(std::isnan(Fp8E4M3ToFloat(0xff)));
+}
+
+TEST(FloatConvert, RoundTripsEveryCode) {
+  for (int c = 0; c < 256; ++c) {
+    const float e4 = Fp8E4M3ToFloat(static_cast<uint8_t>(c));
+    if (std::isfinite(e4)) EXPECT_EQ(Fp8E4M3ToFloat(FloatToFp8E4M3(e4)), e4) << c;
+    const float e5 = Fp8E5M2ToFloat(static_cast<uint8_t>(c));
+    if (std::isfinite(e5)) EXPECT_EQ(Fp8E5M2ToFloat(FloatToFp8E5M2(e5)), e5) << c;
+  }
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const float f = HalfToFloat(static_cast<uint16_t>(h));
+    if (std::isfinite(f)) {
+      ASSERT_EQ(HalfToFloat(FloatToHalf(f)), f) << h;
+    }
+  }
+}
+
+float Quantize(DType d, float v, float scale) {
+  switch (d) {
+    case DType::kFloat16:
+      return HalfToFloat(FloatToHalf(v));
+    case DType::kBFloat16:
+      return BF16ToFloat(FloatToBF16(v));
+    case DType::kFp8E4M3:
+      return Fp8E4M3ToFloat(FloatToFp8E4M3(v / scale)) * scale;
+    case DType::kFp8E5M2:
+      return Fp8E5M2ToFloat(FloatToFp8E5M2(v / scale)) * scale;
+    default:
+      return v;
+  }
+}
+
+Tensor Activations(DType d, Shape shape, const std::vector<float>& v) {
+  Tensor t = *Tensor::Zeros(CpuDevice(), d, shape);
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (d == DType::kFloat32) {
+      t.data<float>()[i] = v[i];
+    } else if (d == DType::kFloat16) {
+      static_cast<uint16_t*>(t.raw_data())[i] = FloatToHalf(v[i]);
+    } else {
+      static_cast<uint16_t*>(t.raw_data())[i] = FloatToBF16(v[i]);
+    }
+  }
+  return t;
+}
+
+float Act(const Tensor& t, int64_t i) {
+  if (t.dtype() == DType::kFloat32) return t.data<float>()[i];
+  const uint16_t v = static_cast<const uint16_t*>(t.raw_data())[i];
+  return t.dtype() == DType::kFloat16 ? HalfToFloat(v) : BF16ToFloat(v);
+}
+
+struct Case {
+  int64_t head_size = 64, block_size = 16, heads = 4, kv_heads = 4;
+  DType cache = DType::kFloat32, act = DType::kFloat32;
+  CacheLayout layout = CacheLayout::kVllm;
+  bool alibi = false;
+  int64_t window = 0;
+  uint64_t seed = 1;
+};
+
+// Builds a cache and a batch (two decode rows, one prefill chunk, one
+// padding row), writes every cached position through ReshapeAndCache, and
+// checks both kernels against the fp64 reference.
+void Check(const Case& k) {
+  SCOPED_TRACE(::testing::Message()
+               << "head " << k.head_size << " block " << k.block_size
+               << " heads " << k.heads << "/" << k.kv_heads << " cache "
+               << DTypeName(k.cache) << " act " << DTypeName(k.act)
+               << " layout " << CacheLayoutName(k.layout) << " alibi "
+               << k.alibi << " window " << k.window);
+  std::mt19937_64 rng(k.seed);
+  std::uniform_real_distribution<float> uni(-1, 1);
+  CacheConfig c;
+  c.num_blocks = 48;
+  c.block_size = k.block_size;
+  c.num_layers = 2;
+  c.num_kv_heads = k.kv_heads;
+  c.head_size = k.head_size;
+  c.dtype = k.cache;
+  c.layout = k.layout;
+  auto cache = *KvCache::Create(c, CpuDevice());
+  // Unwritten slots hold NaN in every dtype: the output must not see them.
+  for (int64_t l = 0; l < 2; ++l) {
+    std::memset(cache->key(l).raw_data(), 0xff, cache->key(l).nbytes());
+    std::memset(cache->value(l).raw_data(), 0xff, cache->value(l).nbytes());
+  }
+  const bool fp8 = k.cache == DType::kFp8E4M3 || k.cache == DType::kFp8E5M2;
+  const float kscale = fp8 ? 0.02f : 1.0f, vscale = fp8 ? 0.03f : 1.0f;
+  const int64_t layer = 1, D = k.head_size, H = k.heads, KV = k.kv_heads;
+
+  // Rows: decode, prefill chunk of 5 after a cached context, decode at a
+  // block boundary, padding.
+  const std::vector<int64_t> lens = {37, 23, 2 * k.block_size + 1, 1};
+  const std::vector<int64_t> qlens = {1, 5, 1, 1};
+  AttentionRows rows;
+  rows.num_real = 3;
+  rows.width = 8;
+  rows.query_start = {0};
+  for (int64_t q : qlens) rows.query_start.push_back(rows.query_start.back() + q);
+  rows.seq_lens = lens;
+  std::vector<int64_t> perm(c.num_blocks);
+  for (int64_t i = 0; i < c.num_blocks; ++i) perm[i] = i;
+  std::shuffle(perm.begin(), perm.end(), rng);
+  rows.block_tables.assign(4 * rows.width, 0);
+  for (int64_t r = 0; r < 3; ++r) {
+    for (int64_t j = 0; j < rows.width; ++j) {
+      rows.block_tables[r * rows.width + j] = perm[r * rows.width + j];
+    }
+  }
+  // Logical K/V of every cached position, quantized as the cache stores it.
+  std::vector<std::vector<float>> K(3), V(3);
+  for (int64_t r = 0; r < 3; ++r) {
+    const int64_t n = lens[r] * KV * D;
+    std::vector<float> kraw(n), vraw(n);
+    for (float& x : kraw) x = uni(rng);
+    for (float& x : vraw) x = uni(rng);
+    std::vector<int64_t> slots(lens[r]);
+    for (int64_t p = 0; p < lens[r]; ++p) {
+      slots[p] = rows.block_tables[r * rows.width + p / k.block_size] *
+                     k.block_size + p % k.block_size;
+    }
+    const Tensor kt = Activations(k.act, {lens[r], KV, D}, kraw);
+    const Tensor vt = Activations(k.act, {lens[r], KV, D}, vraw);
+    ASSERT_TRUE(ReshapeAndCache(*cache, layer, kt, vt, slots, kscale, vscale).ok());
+    K[r].resize(n);
+    V[r].resize(n);
+    for (int64_t i = 0; i < n; ++i) {
+      K[r][i] = Quantize(k.cache, Act(kt, i), kscale);
+      V[r][i] = Quantize(k.cache, Act(vt, i), vscale);
+    }
+  }
+  const int64_t T = rows.query_start.back();
+  std::vector<float> qraw(T * H * D);
+  for (float& x : qraw) x = uni(rng);
+  const Tensor query = Activations(k.act, {T, H, D}, qraw);
+
+  AttentionParams p;
+  p.k_scale = kscale;
+  p.v_scale = vscale;
+  p.sliding_window = k.window;
+  if (k.alibi) {
+    for (int64_t h = 0; h < H; ++h) p.alibi_slopes.push_back(std::pow(2.0f, -(h + 1)));
+  }
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+
+  // The reference, in fp64.
+  std::vector<double> ref(T * H * D, 0.0);
+  for (int64_t r = 0; r < 3; ++r) {
+    for (int64_t t = 0; t < qlens[r]; ++t) {
+      const int64_t qi = rows.query_start[r] + t;
+      const int64_t pos = lens[r] - qlens[r] + t;
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t kvh = h / (H / KV);
+        const int64_t lo = k.window > 0 ? std::max<int64_t>(0, pos - k.window + 1) : 0;
+        std::vector<double> logit;
+        for (int64_t j = lo; j <= pos; ++j) {
+          double dot = 0;
+          for (int64_t d = 0; d < D; ++d) {
+            dot += static_cast<double>(Act(query, (qi * H + h) * D + d)) *
+                   K[r][(j * KV + kvh) * D + d];
+          }
+          double l = scale * dot;
+          if (k.alibi) l += p.alibi_slopes[h] * static_cast<double>(j - pos);
+          logit.push_back(l);
+        }
+        const double m = *std::max_element(logit.begin(), logit.end());
+        double sum = 0;
+        for (double& l : logit) sum += (l = std::exp(l - m));
+        for (int64_t j = lo; j <= pos; ++j) {
+          for (int64_t d = 0; d < D; ++d) {
+            ref[(qi * H + h) * D + d] +=
+                logit[j - lo] / sum * V[r][(j * KV + kvh) * D + d];
+          }
+        }
+      }
+    }
+  }
+
+  ThreadPool pool(2);
+  for (auto kernel : {AttentionParams::Kernel::kSinglePass,
+                      AttentionParams::Kernel::kPartitioned}) {
+    p.kernel = kernel;
+    p.partition_size = 16;  // several partitions even for short contexts
+    Tensor out;
+    absl::Status s = PagedAttention(*cache, layer, query, rows, p, &pool, &out);
+    ASSERT_TRUE(s.ok()) << s;
+    ASSERT_EQ(out.dtype(), k.act);
+    // vLLM's tolerances (atol 1e-3, rtol 1e-5; fp8 atol 1e-2) on the fp32
+    // computation, plus half an ulp of the output dtype for fp16 and bf16
+    // outputs: the kernel rounds its fp32 result once to that dtype.
+    const double atol = fp8 ? 1e-2 : 1e-3;
+    const double ulp = k.act == DType::kFloat16    ? std::ldexp(1.0, -10)
+                       : k.act == DType::kBFloat16 ? std::ldexp(1.0, -7)
+                                                   : 0.0;
+    for (int64_t i = 0; i < T * H * D; ++i) {
+      const double got = Act(out, i);
+      ASSERT_TRUE(std::isfinite(got)) << "element " << i;
+      const double want = i >= rows.query_start[3] * H * D ? 0.0 : ref[i];
+      ASSERT_NEAR(got, want, atol + 1e-5 * std::fabs(want) + ulp * std::fabs(want))
+          << "element " << i << " kernel " << static_cast<int>(kernel);
+    }
+  }
+}
+
+TEST(PagedAttention, HeadSizesBlockSizesLayoutsFp32) {
+  for (int64_t hs : {32, 64, 80, 96, 112, 120, 128, 192, 256}) {
+    for (int64_t bs : {8, 16, 32}) {
+      for (CacheLayout layout : {CacheLayout::kVllm, CacheLayout::kNhd}) {
+        Case k;
+        k.head_size = hs;
+        k.block_size = bs;
+        k.layout = layout;
+        k.heads = 2;
+        k.kv_heads = 2;
+        k.seed = hs * 100 + bs;
+        Check(k);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+TEST(PagedAttention, DtypesAndGqaRatios) {
+  struct D {
+    DType cache, act;
+  };
+  const D dtypes[] = {{DType::kFloat32, DType::kFloat32},
+                      {DType::kFloat16, DType::kFloat16},
+                      {DType::kBFloat16, DType::kBFloat16},
+                      {DType::kFp8E4M3, DType::kFloat16},
+                      {DType::kFp8E5M2, DType::kBFloat16}};
+  for (const D& d : dtypes) {
+    for (auto [heads, kv] : {std::pair<int64_t, int64_t>{8, 8}, {8, 2}, {8, 1}}) {
+      for (CacheLayout layout : {CacheLayout::kVllm, CacheLayout::kNhd}) {
+        Case k;
+        k.cache = d.cache;
+        k.act = d.act;
+        k.heads = heads;
+        k.kv_heads = kv;
+        k.head_size = 128;
+        k.layout = layout;
+        Check(k);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+TEST(PagedAttention, AlibiAndSlidingWindow) {
+  for (bool alibi : {false, true}) {
+    for (int64_t window : {0, 1, 7, 20}) {
+      Case k;
+      k.heads = 4;
+      k.kv_heads = 2;
+      k.alibi = alibi;
+      k.window = window;
+      k.cache = DType::kBFloat16;
+      k.act = DType::kBFloat16;
+      Check(k);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+// The raw vLLM layout, written out independently of the kernel: key
+// [blocks, kv_heads, head/x, block, x] and value [blocks, kv_heads, head,
+// block].
+TEST(ReshapeAndCache, VllmLayoutOffsets) {
+  CacheConfig c;
+  c.num_blocks = 4;
+  c.block_size = 8;
+  c.num_layers = 1;
+  c.num_kv_heads = 2;
+  c.head_size = 16;
+  c.dtype = DType::kFloat32;  // x = 4
+  auto cache = *KvCache::Create(c, CpuDevice());
+  std::vector<float> k(2 * 16), v(2 * 16);
+  for (int i = 0; i < 32; ++i) {
+    k[i] = 100 + i;
+    v[i] = 200 + i;
+  }
+  const Tensor kt = Activations(DType::kFloat32, {1, 2, 16}, k);
+  const Tensor vt = Activations(DType::kFloat32, {1, 2, 16}, v);
+  const int64_t slot = 2 * 8 + 5;  // block 2, offset 5
+  ASSERT_TRUE(ReshapeAndCache(*cache, 0, kt, vt, {&slot, 1}, 1, 1).ok());
+  const float* kc = cache->key(0).data<float>();
+  const float* vc = cache->value(0).data<float>();
+  for (int h = 0; h < 2; ++h) {
+    for (int d = 0; d < 16; ++d) {
+      EXPECT_EQ(kc[(((2 * 2 + h) * 4 + d / 4) * 8 + 5) * 4 + d % 4], 100 + h * 16 + d);
+      EXPECT_EQ(vc[((2 * 2 + h) * 16 + d) * 8 + 5], 200 + h * 16 + d);
+    }
+  }
+  // -1 is skipped; a slot outside the pool writes nothing.
+  const int64_t bad[] = {-1};
+  EXPECT_TRUE(ReshapeAndCache(*cache, 0, kt, vt, bad, 1, 1).ok());
+  const int64_t outside[] = {32};
+  absl::Status s = ReshapeAndCache(*cache, 0, kt, vt, outside, 1, 1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("slot_mapping[0] = 32"));
+}
+
+TEST(PagedAttention, ValidationNamesTheRow) {
+  CacheConfig c;
+  c.num_blocks = 4;
+  c.block_size = 4;
+  c.num_layers = 1;
+  c.num_kv_heads = 2;
+  c.head_size = 8;
+  auto cache = *KvCache::Create(c, CpuDevice());
+  AttentionRows rows;
+  rows.query_start = {0, 1, 2};
+  rows.seq_lens = {3, 9};
+  rows.width = 2;
+  rows.block_tables = {0, 1, 2, 3};
+  rows.num_real = 2;
+  const Tensor q = Activations(DType::kFloat16, {2, 4, 8}, std::vector<float>(64, 0.1f));
+  Tensor out;
+  absl::Status s = PagedAttention(*cache, 0, q, rows, {}, nullptr, &out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("row 1: seq_len 9 needs 3 blocks"));
+  rows.seq_lens = {3, 8};
+  rows.block_tables[1] = 7;  // row 0 (3 tokens) never reads entry 1
+  EXPECT_TRUE(PagedAttention(*cache, 0, q, rows, {}, nullptr, &out).ok());
+  rows.block_tables[0] = 7;
+  s = PagedAttention(*cache, 0, q, rows, {}, nullptr, &out);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("block_tables[0][0] = 7"));
+  rows.block_tables[0] = 0;
+  EXPECT_TRUE(PagedAttention(*cache, 0, q, rows, {}, nullptr, &out).ok());
+  const Tensor q3 = Activations(DType::kFloat16, {2, 3, 8}, std::vector<float>(48, 0.1f));
+  EXPECT_EQ(PagedAttention(*cache, 0, q3, rows, {}, nullptr, &out).code(),
+            absl::StatusCode::kInvalidArgument);  // 3 heads, 2 KV heads
+  AttentionParams p;
+  p.alibi_slopes = {1, 2};
+  EXPECT_EQ(PagedAttention(*cache, 0, q, rows, p, nullptr, &out).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PagedAttention(*cache, 1, q, rows, {}, nullptr, &out).code(),
+            absl::StatusCode::kOutOfRange);
+}
+
+}  // namespace
+}  // namespace kvstep
