@@ -95,7 +95,8 @@ struct Geometry {
   int64_t bs, heads, d, x;
   bool vllm;
   int64_t KeyIndex(int64_t b, int64_t h, int64_t dim, int64_t t) const {
-    if (vllm) return (((b * heads + h) * (d / x) + dim / x) * bs + t) * x + dim % x;
+    if (vllm)
+      return (((b * heads + h) * (d / x) + dim / x) * bs + t) * x + dim % x;
     return ((b * bs + t) * heads + h) * d + dim;
   }
   int64_t ValueIndex(int64_t b, int64_t h, int64_t dim, int64_t t) const {
@@ -149,8 +150,9 @@ class Attender {
         out_(out),
         heads_(query.dim(1)),
         group_(query.dim(1) / cache.config().num_kv_heads),
-        scale_(p.scale > 0 ? static_cast<float>(p.scale)
-                           : 1.0f / std::sqrt(static_cast<float>(c_.head_size))) {}
+        scale_(p.scale > 0
+                   ? static_cast<float>(p.scale)
+                   : 1.0f / std::sqrt(static_cast<float>(c_.head_size))) {}
 
   // Attention of token `qi` (position `pos`) of row `r`, heads of KV head
   // `h`, over keys [lo, hi). Writes the unnormalized accumulator and the
@@ -218,17 +220,20 @@ class Attender {
   // The key range of a query at `pos`.
   void Range(int64_t pos, int64_t* lo, int64_t* hi) const {
     *hi = pos + 1;
-    *lo = p_.sliding_window > 0 ? std::max<int64_t>(0, pos - p_.sliding_window + 1)
-                                : 0;
+    *lo = p_.sliding_window > 0
+              ? std::max<int64_t>(0, pos - p_.sliding_window + 1)
+              : 0;
   }
 
-  void Store(int64_t qi, int64_t h, const float* acc, const float* denom) const {
+  void Store(int64_t qi, int64_t h, const float* acc,
+             const float* denom) const {
     const int64_t D = c_.head_size;
     for (int64_t g = 0; g < group_; ++g) {
       const int64_t base = (qi * heads_ + h * group_ + g) * D;
       const float inv = 1.0f / denom[g];
       for (int64_t d = 0; d < D; ++d) {
-        StoreAct(out_->dtype(), out_->raw_data(), base + d, acc[g * D + d] * inv);
+        StoreAct(out_->dtype(), out_->raw_data(), base + d,
+                 acc[g * D + d] * inv);
       }
     }
   }
@@ -252,7 +257,8 @@ class Attender {
     } else {
       for (int64_t t = t0; t < t1; ++t) {
         const T* src = k_ + g_.KeyIndex(block, h, 0, t);
-        for (int64_t d = 0; d < D; ++d) tile[t * D + d] = Elem::Load(src[d], p_.k_scale);
+        for (int64_t d = 0; d < D; ++d)
+          tile[t * D + d] = Elem::Load(src[d], p_.k_scale);
       }
     }
   }
@@ -262,12 +268,14 @@ class Attender {
     if (g_.vllm) {
       for (int64_t d = 0; d < D; ++d) {
         const T* src = v_ + g_.ValueIndex(block, h, d, 0);
-        for (int64_t t = t0; t < t1; ++t) tile[t * D + d] = Elem::Load(src[t], p_.v_scale);
+        for (int64_t t = t0; t < t1; ++t)
+          tile[t * D + d] = Elem::Load(src[t], p_.v_scale);
       }
     } else {
       for (int64_t t = t0; t < t1; ++t) {
         const T* src = v_ + g_.ValueIndex(block, h, 0, t);
-        for (int64_t d = 0; d < D; ++d) tile[t * D + d] = Elem::Load(src[d], p_.v_scale);
+        for (int64_t d = 0; d < D; ++d)
+          tile[t * D + d] = Elem::Load(src[d], p_.v_scale);
       }
     }
   }
@@ -291,23 +299,23 @@ std::string RowError(int64_t r, const std::string& what) {
 
 template <typename Elem>
 void Run(const KvCache& cache, int64_t layer, const Tensor& query,
-         const AttentionRows& rows, const AttentionParams& p,
-         ThreadPool* pool, Tensor* out) {
+         const AttentionRows& rows, const AttentionParams& p, ThreadPool* pool,
+         Tensor* out) {
   const Attender<Elem> a(cache, layer, query, rows, p, out);
   const int64_t kvh = cache.config().num_kv_heads;
   const int64_t D = cache.config().head_size;
   const int64_t G = a.group();
   const int64_t P = p.partition_size;
   int64_t max_len = 0;
-  for (int64_t r = 0; r < rows.num_real; ++r) max_len = std::max(max_len, rows.seq_lens[r]);
+  for (int64_t r = 0; r < rows.num_real; ++r)
+    max_len = std::max(max_len, rows.seq_lens[r]);
   const int64_t max_parts = (max_len + P - 1) / P;
   // Auto: partition only when whole rows are too few to keep the threads
   // busy and contexts are long enough to split (measured, see docs/).
   const int threads = pool != nullptr ? pool->num_threads() : 1;
-  const bool partitioned =
-      p.kernel == AttentionParams::Kernel::kPartitioned ||
-      (p.kernel == AttentionParams::Kernel::kAuto && max_parts > 1 &&
-       rows.num_real * kvh < 2 * threads);
+  const bool partitioned = p.kernel == AttentionParams::Kernel::kPartitioned ||
+                           (p.kernel == AttentionParams::Kernel::kAuto &&
+                            max_parts > 1 && rows.num_real * kvh < 2 * threads);
   auto run = [&](const std::function<void(int64_t)>& fn, int64_t n) {
     if (pool != nullptr) {
       pool->ParallelFor(n, fn);
@@ -367,7 +375,8 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
         for (int64_t part = 0; part < max_parts; ++part) {
           const int64_t slot = (qi * kvh + h) * max_parts + part;
           if (!used[slot]) continue;
-          for (int64_t g = 0; g < G; ++g) M[g] = std::max(M[g], partial[slot * stride + g]);
+          for (int64_t g = 0; g < G; ++g)
+            M[g] = std::max(M[g], partial[slot * stride + g]);
         }
         for (int64_t part = 0; part < max_parts; ++part) {
           const int64_t slot = (qi * kvh + h) * max_parts + part;
@@ -397,17 +406,19 @@ absl::Status ReshapeAndCache(const KvCache& cache, int64_t layer,
   }
   const int64_t T = static_cast<int64_t>(slots.size());
   const Shape want = {T, c.num_kv_heads, c.head_size};
-  for (const auto& [t, name] : {std::pair<const Tensor*, const char*>{&key, "key"},
-                                {&value, "value"}}) {
+  for (const auto& [t, name] :
+       {std::pair<const Tensor*, const char*>{&key, "key"},
+        {&value, "value"}}) {
     if (!t->defined() || !IsActivationType(t->dtype()) || t->shape() != want) {
       return absl::InvalidArgumentError(absl::StrFormat(
-          "%s must be float32, float16 or bfloat16 with shape %s, got %s",
-          name, ShapeToString(want), t->DebugString()));
+          "%s must be float32, float16 or bfloat16 with shape %s, got %s", name,
+          ShapeToString(want), t->DebugString()));
     }
   }
   if (!(k_scale > 0) || !(v_scale > 0) || !std::isfinite(k_scale) ||
       !std::isfinite(v_scale)) {
-    return absl::InvalidArgumentError("k_scale and v_scale must be finite and > 0");
+    return absl::InvalidArgumentError(
+        "k_scale and v_scale must be finite and > 0");
   }
   const int64_t num_slots = c.num_blocks * c.block_size;
   for (int64_t t = 0; t < T; ++t) {
@@ -429,8 +440,8 @@ absl::Status ReshapeAndCache(const KvCache& cache, int64_t layer,
       for (int64_t h = 0; h < c.num_kv_heads; ++h) {
         const int64_t src = (t * c.num_kv_heads + h) * c.head_size;
         for (int64_t d = 0; d < c.head_size; ++d) {
-          kc[g.KeyIndex(b, h, d, o)] =
-              Elem::Store(LoadAct(key.dtype(), key.raw_data(), src + d), k_scale);
+          kc[g.KeyIndex(b, h, d, o)] = Elem::Store(
+              LoadAct(key.dtype(), key.raw_data(), src + d), k_scale);
           vc[g.ValueIndex(b, h, d, o)] = Elem::Store(
               LoadAct(value.dtype(), value.raw_data(), src + d), v_scale);
         }
@@ -493,9 +504,9 @@ absl::Status ValidateAttention(const CacheConfig& c, const Tensor& query,
   }
   if (!p.alibi_slopes.empty() &&
       static_cast<int64_t>(p.alibi_slopes.size()) != query.dim(1)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "alibi_slopes has %d entries for %d query heads", p.alibi_slopes.size(),
-        query.dim(1)));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("alibi_slopes has %d entries for %d query heads",
+                        p.alibi_slopes.size(), query.dim(1)));
   }
   for (float s : p.alibi_slopes) {
     if (!std::isfinite(s)) {
@@ -510,7 +521,8 @@ absl::Status ValidateAttention(const CacheConfig& c, const Tensor& query,
   }
   if (!(p.k_scale > 0) || !(p.v_scale > 0) || !std::isfinite(p.k_scale) ||
       !std::isfinite(p.v_scale)) {
-    return absl::InvalidArgumentError("k_scale and v_scale must be finite and > 0");
+    return absl::InvalidArgumentError(
+        "k_scale and v_scale must be finite and > 0");
   }
   if (p.partition_size < 1) {
     return absl::InvalidArgumentError("partition_size must be >= 1");
@@ -530,7 +542,8 @@ absl::Status PagedAttention(const KvCache& cache, int64_t layer,
   if (absl::Status s = ValidateAttention(c, query, rows, params); !s.ok()) {
     return s;
   }
-  absl::StatusOr<Tensor> o = Tensor::Zeros(CpuDevice(), query.dtype(), query.shape());
+  absl::StatusOr<Tensor> o =
+      Tensor::Zeros(CpuDevice(), query.dtype(), query.shape());
   if (!o.ok()) return o.status();
   *out = *std::move(o);
   DispatchCache(c.dtype, [&](auto elem) {

@@ -44,8 +44,8 @@ struct AttentionParams {
 };
 
 struct AttentionRows {
-  std::vector<int64_t> query_start;  // [n + 1], from 0 to num_tokens
-  std::vector<int64_t> seq_lens;     // [n]
+  std::vector<int64_t> query_start;   // [n + 1], from 0 to num_tokens
+  std::vector<int64_t> seq_lens;      // [n]
   std::vector<int64_t> block_tables;  // [n * width]
   int64_t width = 0;
   int64_t num_real = 0;  // rows >= num_real are padding

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <thread>
 #include <utility>
 
 #include "absl/random/random.h"
@@ -88,6 +89,11 @@ Engine::Engine(const EngineOptions& options, std::unique_ptr<KvCache> cache,
       device_(options.device != nullptr ? options.device : CpuDevice()),
       cache_(std::move(cache)),
       host_cache_(std::move(host_cache)),
+      pool_(std::make_unique<ThreadPool>(
+          options.attention_threads > 0
+              ? options.attention_threads
+              : std::max(
+                    1, static_cast<int>(std::thread::hardware_concurrency())))),
       events_(options.event_log_capacity),
       allocator_(options.cache.num_blocks, options.block_order,
                  [this](KvEvent e) { events_.Append(std::move(e)); }),
@@ -508,6 +514,97 @@ absl::Status Engine::AdvanceStepExplicit(AdvanceStepArgs args, StepState* state,
   args.row_owned_blocks = {};
   args.row_seq_ids = {};
   return kvstep::AdvanceStep(args, state, flashinfer);
+}
+
+absl::StatusOr<Tensor> Engine::PagedAttention(BatchId id,
+                                              const AttentionRequest& req) {
+  // The lock is held for the whole call: attention reads blocks that a
+  // concurrent FreeSequences + AllocateBlocks could hand to someone else.
+  MutexLock lock(&mu_);
+  auto it = batches_.find(id);
+  if (it == batches_.end()) {
+    return absl::NotFoundError(absl::StrFormat("batch %d does not exist", id));
+  }
+  const Batch& b = *it->second;
+  const BatchMeta& m = b.meta();
+  for (int64_t r = 0; r < m.num_queries; ++r) {
+    if (b.stale(r)) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "row %d (seq %d): the sequence was freed or swapped out after the "
+          "batch was created; create a new batch",
+          r, b.seq_ids()[r]));
+    }
+  }
+  const BatchTensors& t = b.tensors();
+  auto values = [](const Tensor& x) {
+    std::vector<int64_t> v(static_cast<size_t>(x.numel()));
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      v[i] = x.dtype() == DType::kInt32 ? x.data<int32_t>()[i]
+                                        : x.data<int64_t>()[i];
+    }
+    return v;
+  };
+  AttentionRows rows;
+  rows.query_start = values(t.query_start_loc);
+  rows.seq_lens = values(t.state.seq_lens);
+  rows.block_tables = values(t.state.block_tables);
+  rows.width = b.table_width();
+  rows.num_real = m.num_queries;
+  const std::vector<int64_t> slots = values(t.state.slot_mapping);
+  const int64_t bs = cache_->config().block_size;
+  // No write may land in a block another sequence holds (a fork since the
+  // step was planned): AllocateBlocks must copy it first.
+  for (size_t k = 0; k < slots.size(); ++k) {
+    if (slots[k] >= 0 &&
+        allocator_.RefCount(static_cast<BlockId>(slots[k] / bs)) > 1) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "slot_mapping[%d] = %d is in block %d, which is shared with another "
+          "sequence: call AllocateBlocks first (it copies the block)",
+          k, slots[k], slots[k] / bs));
+    }
+  }
+  if (absl::Status s =
+          ValidateAttention(cache_->config(), req.query, rows, req.params);
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s =
+          ReshapeAndCache(*cache_, req.layer, req.key, req.value, slots,
+                          req.params.k_scale, req.params.v_scale);
+      !s.ok()) {
+    return s;
+  }
+  Tensor out;
+  if (absl::Status s = kvstep::PagedAttention(
+          *cache_, req.layer, req.query, rows, req.params, pool_.get(), &out);
+      !s.ok()) {
+    return s;
+  }
+  return out;
+}
+
+absl::StatusOr<Tensor> Engine::PagedAttentionExplicit(
+    const AttentionRequest& req, const AttentionRows& rows,
+    absl::Span<const int64_t> slots) {
+  MutexLock lock(&mu_);
+  if (absl::Status s =
+          ValidateAttention(cache_->config(), req.query, rows, req.params);
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s =
+          ReshapeAndCache(*cache_, req.layer, req.key, req.value, slots,
+                          req.params.k_scale, req.params.v_scale);
+      !s.ok()) {
+    return s;
+  }
+  Tensor out;
+  if (absl::Status s = kvstep::PagedAttention(
+          *cache_, req.layer, req.query, rows, req.params, pool_.get(), &out);
+      !s.ok()) {
+    return s;
+  }
+  return out;
 }
 
 absl::Status Engine::CheckInvariants() const {

@@ -27,12 +27,14 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "core/advance_step.h"
+#include "core/attention.h"
 #include "core/batch.h"
 #include "core/block_allocator.h"
 #include "core/kv_cache.h"
 #include "core/kv_events.h"
 #include "core/mutex.h"
 #include "core/sequence_manager.h"
+#include "core/thread_pool.h"
 
 namespace kvstep {
 
@@ -57,6 +59,16 @@ struct EngineOptions {
   double watermark = 0.01;
   // KV events kept for subscribers.
   size_t event_log_capacity = 65536;
+  // Threads for attention, the calling thread included (0: one per core).
+  int attention_threads = 0;
+};
+
+struct AttentionRequest {
+  int64_t layer = 0;
+  Tensor query;  // [num_tokens, num_heads, head_size]
+  Tensor key;    // [num_tokens, num_kv_heads, head_size]: this step's K/V
+  Tensor value;
+  AttentionParams params;
 };
 
 struct BlockStats {
@@ -208,6 +220,18 @@ class Engine {
   absl::Status AdvanceStepExplicit(AdvanceStepArgs args, StepState* state,
                                    FlashInferOutputs* flashinfer) const;
 
+  // PagedAttention for one layer of a server-held batch: writes the step's
+  // K/V at the batch's slot_mapping (reshape_and_cache), then attends every
+  // real row over its context (padding rows get zeros). FAILED_PRECONDITION
+  // for a stale batch or a slot in a block another sequence shares.
+  absl::StatusOr<Tensor> PagedAttention(BatchId id,
+                                        const AttentionRequest& req);
+  // The op with the caller's rows and slots (block ids checked against the
+  // pool only, as explicit AdvanceStep).
+  absl::StatusOr<Tensor> PagedAttentionExplicit(
+      const AttentionRequest& req, const AttentionRows& rows,
+      absl::Span<const int64_t> slots);
+
   // Audits the invariants (for tests): every block free or owned with the
   // right reference count, every batch row mirroring its sequence.
   absl::Status CheckInvariants() const;
@@ -233,6 +257,7 @@ class Engine {
   Device* const device_;
   const std::unique_ptr<KvCache> cache_;
   const std::unique_ptr<KvCache> host_cache_;  // null without a host tier
+  const std::unique_ptr<ThreadPool> pool_;
   EventLog events_;  // own lock; appended to under mu_
 
   mutable Mutex mu_;

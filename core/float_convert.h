@@ -25,7 +25,8 @@ inline float BitsFloat(uint32_t u) {
 inline float BF16ToFloat(uint16_t h) { return BitsFloat(uint32_t{h} << 16); }
 inline uint16_t FloatToBF16(float f) {
   uint32_t u = FloatBits(f);
-  if ((u & 0x7fffffff) > 0x7f800000) return static_cast<uint16_t>((u >> 16) | 0x40);
+  if ((u & 0x7fffffff) > 0x7f800000)
+    return static_cast<uint16_t>((u >> 16) | 0x40);
   u += 0x7fff + ((u >> 16) & 1);  // round to nearest even
   return static_cast<uint16_t>(u >> 16);
 }

@@ -31,8 +31,8 @@ void ThreadPool::WorkerLoop() {
     {
       MutexLock lock(&mu_);
       while (!stop_ && generation_ == seen) {
-        mu_.WaitUntil(cv_, std::chrono::steady_clock::now() +
-                               std::chrono::seconds(1));
+        mu_.WaitUntil(
+            cv_, std::chrono::steady_clock::now() + std::chrono::seconds(1));
       }
       if (stop_) return;
       seen = generation_;

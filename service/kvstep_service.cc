@@ -3,6 +3,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "service/convert.h"
 
@@ -323,12 +324,112 @@ grpc::Status KvStepService::AdvanceExplicit(const v1::AdvanceStepRequest& req,
 }
 
 grpc::Status KvStepService::PagedAttention(grpc::ServerContext*,
-                                           const v1::PagedAttentionRequest*,
-                                           v1::PagedAttentionResponse*) {
-  return grpc::Status(
-      grpc::StatusCode::UNIMPLEMENTED,
-      "PagedAttention is not implemented yet: reshape_and_cache and paged "
-      "attention over the pool are planned (kvstep issue 4)");
+                                           const v1::PagedAttentionRequest* req,
+                                           v1::PagedAttentionResponse* resp) {
+  resp->set_server_instance_id(engine_->instance_id());
+  AttentionRequest a;
+  a.layer = req->layer();
+  Tensor alibi;
+  const std::tuple<const v1::Tensor&, bool, const char*, Tensor*> tensors[] = {
+      {req->query(), req->has_query(), "query", &a.query},
+      {req->key(), req->has_key(), "key", &a.key},
+      {req->value(), req->has_value(), "value", &a.value},
+      {req->alibi_slopes(), req->has_alibi_slopes(), "alibi_slopes", &alibi}};
+  for (const auto& [proto, present, field, out] : tensors) {
+    absl::StatusOr<Tensor> t = TensorFromProto(proto, present, field);
+    if (!t.ok()) return ToGrpcStatus(t.status());
+    *out = *std::move(t);
+  }
+  if (!a.query.defined() || !a.key.defined() || !a.value.defined()) {
+    return Invalid("query, key and value are required");
+  }
+  if (alibi.defined()) {
+    if (alibi.dtype() != DType::kFloat32 || alibi.rank() != 1) {
+      return Invalid("alibi_slopes must be FLOAT32 [num_heads]");
+    }
+    a.params.alibi_slopes.assign(alibi.data<float>(),
+                                 alibi.data<float>() + alibi.numel());
+  }
+  a.params.scale = req->scale();
+  a.params.sliding_window = req->sliding_window();
+  a.params.k_scale = req->k_scale() == 0 ? 1.0f : req->k_scale();
+  a.params.v_scale = req->v_scale() == 0 ? 1.0f : req->v_scale();
+  switch (req->kernel()) {
+    case v1::PagedAttentionRequest::KERNEL_SINGLE_PASS:
+      a.params.kernel = AttentionParams::Kernel::kSinglePass;
+      break;
+    case v1::PagedAttentionRequest::KERNEL_PARTITIONED:
+      a.params.kernel = AttentionParams::Kernel::kPartitioned;
+      break;
+    case v1::PagedAttentionRequest::KERNEL_AUTO:
+      break;
+    default:
+      return Invalid("kernel is not a known PagedAttentionRequest.Kernel");
+  }
+  const bool explicit_mode = req->has_block_tables() || req->has_seq_lens() ||
+                             req->has_slot_mapping() ||
+                             req->has_query_start_loc();
+  absl::StatusOr<Tensor> out;
+  if (!explicit_mode) {
+    if (req->batch_id() == 0) {
+      return Invalid("batch_id is missing (or send the explicit rows)");
+    }
+    out = engine_->PagedAttention(req->batch_id(), a);
+  } else {
+    if (req->batch_id() != 0) {
+      return Invalid(
+          "batch_id and the explicit rows (block_tables, seq_lens, "
+          "slot_mapping, query_start_loc) are exclusive");
+    }
+    Tensor tables, lens, slots, qsl;
+    const std::tuple<const v1::Tensor&, bool, const char*, Tensor*> rows_in[] =
+        {{req->block_tables(), req->has_block_tables(), "block_tables",
+          &tables},
+         {req->seq_lens(), req->has_seq_lens(), "seq_lens", &lens},
+         {req->slot_mapping(), req->has_slot_mapping(), "slot_mapping", &slots},
+         {req->query_start_loc(), req->has_query_start_loc(), "query_start_loc",
+          &qsl}};
+    for (const auto& [proto, present, field, t] : rows_in) {
+      absl::StatusOr<Tensor> d = TensorFromProto(proto, present, field);
+      if (!d.ok()) return ToGrpcStatus(d.status());
+      if (d->defined() && !IsIndexType(d->dtype())) {
+        return Invalid(absl::StrCat(field, " must be INT32 or INT64"));
+      }
+      *t = *std::move(d);
+    }
+    if (!tables.defined() || tables.rank() != 2 || !lens.defined() ||
+        lens.rank() != 1 || tables.dim(0) != lens.dim(0) || !slots.defined() ||
+        slots.rank() != 1) {
+      return Invalid(
+          "explicit mode needs block_tables [num_rows, W], seq_lens "
+          "[num_rows] and slot_mapping [num_tokens]");
+    }
+    auto values = [](const Tensor& x) {
+      std::vector<int64_t> v(static_cast<size_t>(x.numel()));
+      for (int64_t i = 0; i < x.numel(); ++i) {
+        v[i] = x.dtype() == DType::kInt32 ? x.data<int32_t>()[i]
+                                          : x.data<int64_t>()[i];
+      }
+      return v;
+    };
+    AttentionRows rows;
+    rows.seq_lens = values(lens);
+    rows.block_tables = values(tables);
+    rows.width = tables.dim(1);
+    rows.num_real = lens.dim(0);
+    if (qsl.defined()) {
+      if (qsl.rank() != 1 || qsl.dim(0) != lens.dim(0) + 1) {
+        return Invalid("query_start_loc must be [num_rows + 1]");
+      }
+      rows.query_start = values(qsl);
+    } else {
+      for (int64_t r = 0; r <= lens.dim(0); ++r) rows.query_start.push_back(r);
+    }
+    out = engine_->PagedAttentionExplicit(a, rows, values(slots));
+  }
+  if (!out.ok()) return ToGrpcStatus(out.status());
+  TensorToProto(*out, resp->mutable_out());
+  return grpc::Status::OK;
 }
 
 }  // namespace kvstep

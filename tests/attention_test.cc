@@ -42,9 +42,11 @@ TEST(FloatConvert, KnownEncodings) {
 TEST(FloatConvert, RoundTripsEveryCode) {
   for (int c = 0; c < 256; ++c) {
     const float e4 = Fp8E4M3ToFloat(static_cast<uint8_t>(c));
-    if (std::isfinite(e4)) EXPECT_EQ(Fp8E4M3ToFloat(FloatToFp8E4M3(e4)), e4) << c;
+    if (std::isfinite(e4))
+      EXPECT_EQ(Fp8E4M3ToFloat(FloatToFp8E4M3(e4)), e4) << c;
     const float e5 = Fp8E5M2ToFloat(static_cast<uint8_t>(c));
-    if (std::isfinite(e5)) EXPECT_EQ(Fp8E5M2ToFloat(FloatToFp8E5M2(e5)), e5) << c;
+    if (std::isfinite(e5))
+      EXPECT_EQ(Fp8E5M2ToFloat(FloatToFp8E5M2(e5)), e5) << c;
   }
   for (uint32_t h = 0; h < 0x10000; ++h) {
     const float f = HalfToFloat(static_cast<uint16_t>(h));
@@ -136,7 +138,8 @@ void Check(const Case& k) {
   rows.num_real = 3;
   rows.width = 8;
   rows.query_start = {0};
-  for (int64_t q : qlens) rows.query_start.push_back(rows.query_start.back() + q);
+  for (int64_t q : qlens)
+    rows.query_start.push_back(rows.query_start.back() + q);
   rows.seq_lens = lens;
   std::vector<int64_t> perm(c.num_blocks);
   for (int64_t i = 0; i < c.num_blocks; ++i) perm[i] = i;
@@ -156,12 +159,14 @@ void Check(const Case& k) {
     for (float& x : vraw) x = uni(rng);
     std::vector<int64_t> slots(lens[r]);
     for (int64_t p = 0; p < lens[r]; ++p) {
-      slots[p] = rows.block_tables[r * rows.width + p / k.block_size] *
-                     k.block_size + p % k.block_size;
+      slots[p] =
+          rows.block_tables[r * rows.width + p / k.block_size] * k.block_size +
+          p % k.block_size;
     }
     const Tensor kt = Activations(k.act, {lens[r], KV, D}, kraw);
     const Tensor vt = Activations(k.act, {lens[r], KV, D}, vraw);
-    ASSERT_TRUE(ReshapeAndCache(*cache, layer, kt, vt, slots, kscale, vscale).ok());
+    ASSERT_TRUE(
+        ReshapeAndCache(*cache, layer, kt, vt, slots, kscale, vscale).ok());
     K[r].resize(n);
     V[r].resize(n);
     for (int64_t i = 0; i < n; ++i) {
@@ -179,7 +184,8 @@ void Check(const Case& k) {
   p.v_scale = vscale;
   p.sliding_window = k.window;
   if (k.alibi) {
-    for (int64_t h = 0; h < H; ++h) p.alibi_slopes.push_back(std::pow(2.0f, -(h + 1)));
+    for (int64_t h = 0; h < H; ++h)
+      p.alibi_slopes.push_back(std::pow(2.0f, -(h + 1)));
   }
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
 
@@ -191,7 +197,8 @@ void Check(const Case& k) {
       const int64_t pos = lens[r] - qlens[r] + t;
       for (int64_t h = 0; h < H; ++h) {
         const int64_t kvh = h / (H / KV);
-        const int64_t lo = k.window > 0 ? std::max<int64_t>(0, pos - k.window + 1) : 0;
+        const int64_t lo =
+            k.window > 0 ? std::max<int64_t>(0, pos - k.window + 1) : 0;
         std::vector<double> logit;
         for (int64_t j = lo; j <= pos; ++j) {
           double dot = 0;
@@ -236,7 +243,8 @@ void Check(const Case& k) {
       const double got = Act(out, i);
       ASSERT_TRUE(std::isfinite(got)) << "element " << i;
       const double want = i >= rows.query_start[3] * H * D ? 0.0 : ref[i];
-      ASSERT_NEAR(got, want, atol + 1e-5 * std::fabs(want) + ulp * std::fabs(want))
+      ASSERT_NEAR(got, want,
+                  atol + 1e-5 * std::fabs(want) + ulp * std::fabs(want))
           << "element " << i << " kernel " << static_cast<int>(kernel);
     }
   }
@@ -270,7 +278,8 @@ TEST(PagedAttention, DtypesAndGqaRatios) {
                       {DType::kFp8E4M3, DType::kFloat16},
                       {DType::kFp8E5M2, DType::kBFloat16}};
   for (const D& d : dtypes) {
-    for (auto [heads, kv] : {std::pair<int64_t, int64_t>{8, 8}, {8, 2}, {8, 1}}) {
+    for (auto [heads, kv] :
+         {std::pair<int64_t, int64_t>{8, 8}, {8, 2}, {8, 1}}) {
       for (CacheLayout layout : {CacheLayout::kVllm, CacheLayout::kNhd}) {
         Case k;
         k.cache = d.cache;
@@ -327,7 +336,8 @@ TEST(ReshapeAndCache, VllmLayoutOffsets) {
   const float* vc = cache->value(0).data<float>();
   for (int h = 0; h < 2; ++h) {
     for (int d = 0; d < 16; ++d) {
-      EXPECT_EQ(kc[(((2 * 2 + h) * 4 + d / 4) * 8 + 5) * 4 + d % 4], 100 + h * 16 + d);
+      EXPECT_EQ(kc[(((2 * 2 + h) * 4 + d / 4) * 8 + 5) * 4 + d % 4],
+                100 + h * 16 + d);
       EXPECT_EQ(vc[((2 * 2 + h) * 16 + d) * 8 + 5], 200 + h * 16 + d);
     }
   }
@@ -354,11 +364,13 @@ TEST(PagedAttention, ValidationNamesTheRow) {
   rows.width = 2;
   rows.block_tables = {0, 1, 2, 3};
   rows.num_real = 2;
-  const Tensor q = Activations(DType::kFloat16, {2, 4, 8}, std::vector<float>(64, 0.1f));
+  const Tensor q =
+      Activations(DType::kFloat16, {2, 4, 8}, std::vector<float>(64, 0.1f));
   Tensor out;
   absl::Status s = PagedAttention(*cache, 0, q, rows, {}, nullptr, &out);
   EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange);
-  EXPECT_THAT(std::string(s.message()), HasSubstr("row 1: seq_len 9 needs 3 blocks"));
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr("row 1: seq_len 9 needs 3 blocks"));
   rows.seq_lens = {3, 8};
   rows.block_tables[1] = 7;  // row 0 (3 tokens) never reads entry 1
   EXPECT_TRUE(PagedAttention(*cache, 0, q, rows, {}, nullptr, &out).ok());
@@ -367,7 +379,8 @@ TEST(PagedAttention, ValidationNamesTheRow) {
   EXPECT_THAT(std::string(s.message()), HasSubstr("block_tables[0][0] = 7"));
   rows.block_tables[0] = 0;
   EXPECT_TRUE(PagedAttention(*cache, 0, q, rows, {}, nullptr, &out).ok());
-  const Tensor q3 = Activations(DType::kFloat16, {2, 3, 8}, std::vector<float>(48, 0.1f));
+  const Tensor q3 =
+      Activations(DType::kFloat16, {2, 3, 8}, std::vector<float>(48, 0.1f));
   EXPECT_EQ(PagedAttention(*cache, 0, q3, rows, {}, nullptr, &out).code(),
             absl::StatusCode::kInvalidArgument);  // 3 heads, 2 KV heads
   AttentionParams p;

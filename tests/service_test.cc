@@ -7,8 +7,11 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -304,11 +307,192 @@ TEST_P(ServiceTest, WireValidationNamesTheField) {
   EXPECT_THAT(std::string(c.status().message()), HasSubstr("seq_lens_dtype"));
 }
 
-TEST_P(ServiceTest, PagedAttentionIsUnimplementedForNow) {
-  absl::StatusOr<v1::PagedAttentionResponse> r =
-      client_->PagedAttention(v1::PagedAttentionRequest());
-  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_THAT(std::string(r.status().message()), HasSubstr("not implemented"));
+v1::Tensor FloatTensor(const std::vector<float>& v,
+                       std::vector<int64_t> shape) {
+  v1::Tensor t;
+  t.set_dtype(v1::DTYPE_FLOAT32);
+  t.mutable_shape()->Assign(shape.begin(), shape.end());
+  t.set_data(
+      std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4));
+  return t;
+}
+
+std::vector<float> FloatValues(const v1::Tensor& t) {
+  std::vector<float> v(t.data().size() / 4);
+  std::memcpy(v.data(), t.data().data(), t.data().size());
+  return v;
+}
+
+// N steps of incremental decoding through the service (a prefill, then
+// PagedAttention + AdvanceStep each step) match dense causal attention
+// over each whole sequence. Two sequences, GQA 4/2, fp32 cache.
+TEST(ServiceAttention, IncrementalDecodingMatchesDenseAttention) {
+  ServerOptions o = SmallServer(UnixTarget() + ".attn", 64);
+  o.engine.cache.dtype = DType::kFloat32;
+  o.engine.cache.num_kv_heads = 2;
+  o.engine.cache.head_size = 16;
+  absl::StatusOr<std::unique_ptr<Server>> server = Server::Start(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  std::unique_ptr<Client> c = Client::Connect((*server)->address());
+  constexpr int64_t H = 4, KV = 2, D = 16, kPrompt = 13, kSteps = 20;
+  std::mt19937_64 rng(5);
+  std::uniform_real_distribution<float> uni(-1, 1);
+  // history[s]: per position, q [H*D], k and v [KV*D].
+  struct Tok {
+    std::vector<float> q, k, v;
+  };
+  std::vector<std::vector<Tok>> hist(2);
+  auto make = [&] {
+    Tok t;
+    for (int i = 0; i < H * D; ++i) t.q.push_back(uni(rng));
+    for (int i = 0; i < KV * D; ++i) t.k.push_back(uni(rng));
+    for (int i = 0; i < KV * D; ++i) t.v.push_back(uni(rng));
+    return t;
+  };
+  // Dense causal attention of sequence s's token at position p.
+  auto dense = [&](int s, int64_t p) {
+    std::vector<double> out(H * D, 0.0);
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t kvh = h / (H / KV);
+      std::vector<double> l;
+      for (int64_t j = 0; j <= p; ++j) {
+        double d = 0;
+        for (int64_t x = 0; x < D; ++x) {
+          d += hist[s][p].q[h * D + x] * hist[s][j].k[kvh * D + x];
+        }
+        l.push_back(d / std::sqrt(static_cast<double>(D)));
+      }
+      const double m = *std::max_element(l.begin(), l.end());
+      double sum = 0;
+      for (double& x : l) sum += (x = std::exp(x - m));
+      for (int64_t j = 0; j <= p; ++j) {
+        for (int64_t x = 0; x < D; ++x) {
+          out[h * D + x] += l[j] / sum * hist[s][j].v[kvh * D + x];
+        }
+      }
+    }
+    return out;
+  };
+  // Runs PagedAttention for the tokens (s, p) listed, in batch order.
+  auto attend = [&](uint64_t batch,
+                    const std::vector<std::pair<int, int64_t>>& toks) {
+    std::vector<float> q, k, v;
+    for (auto [s, p] : toks) {
+      const Tok& t = hist[s][p];
+      q.insert(q.end(), t.q.begin(), t.q.end());
+      k.insert(k.end(), t.k.begin(), t.k.end());
+      v.insert(v.end(), t.v.begin(), t.v.end());
+    }
+    const int64_t n = static_cast<int64_t>(toks.size());
+    v1::PagedAttentionRequest req;
+    req.set_batch_id(batch);
+    req.set_layer(1);
+    *req.mutable_query() = FloatTensor(q, {n, H, D});
+    *req.mutable_key() = FloatTensor(k, {n, KV, D});
+    *req.mutable_value() = FloatTensor(v, {n, KV, D});
+    absl::StatusOr<v1::PagedAttentionResponse> r = c->PagedAttention(req);
+    EXPECT_TRUE(r.ok()) << r.status();
+    if (!r.ok()) return;
+    const std::vector<float> out = FloatValues(r->out());
+    for (int64_t i = 0; i < n; ++i) {
+      const std::vector<double> want = dense(toks[i].first, toks[i].second);
+      for (int64_t x = 0; x < H * D; ++x) {
+        ASSERT_NEAR(out[i * H * D + x], want[x], 1e-4)
+            << "seq " << toks[i].first << " position " << toks[i].second;
+      }
+    }
+  };
+  // Prefill: both prompts in one batch.
+  ASSERT_TRUE(c->AllocateBlocks({{1, kPrompt + 1}, {2, kPrompt + 1}}).ok());
+  v1::CreateBatchRequest cb;
+  std::vector<std::pair<int, int64_t>> toks;
+  for (uint64_t s = 1; s <= 2; ++s) {
+    v1::BatchRow* row = cb.add_rows();
+    row->set_seq_id(s);
+    for (int64_t p = 0; p < kPrompt; ++p) {
+      row->add_token_ids(p);
+      hist[s - 1].push_back(make());
+      toks.emplace_back(s - 1, p);
+    }
+  }
+  cb.set_block_table_width(4);  // room for the decode steps' blocks
+  absl::StatusOr<v1::CreateBatchResponse> b = c->CreateBatch(cb);
+  ASSERT_TRUE(b.ok()) << b.status();
+  attend(b->batch_id(), toks);
+  for (int64_t step = 0; step < kSteps; ++step) {
+    const int64_t len = kPrompt + step;  // tokens before this step's
+    ASSERT_TRUE(c->AllocateBlocks({{1, len + 1}, {2, len + 1}}).ok());
+    v1::AdvanceStepRequest adv;
+    adv.set_batch_id(b->batch_id());
+    *adv.mutable_sampled_token_ids() = MakeIndexTensor({5, 6}, {2, 1});
+    absl::StatusOr<v1::AdvanceStepResponse> stepped = c->AdvanceStep(adv);
+    ASSERT_TRUE(stepped.ok()) << stepped.status();
+    hist[0].push_back(make());
+    hist[1].push_back(make());
+    attend(b->batch_id(), {{0, len}, {1, len}});
+    if (HasFatalFailure()) return;
+  }
+  // A fork shares the last, partly filled block: attention for the parent's
+  // next step must not write there until AllocateBlocks copies it.
+  const uint64_t child[] = {3};
+  ASSERT_TRUE(c->ForkSequence(1, child).ok());
+  v1::PagedAttentionRequest req;
+  req.set_batch_id(b->batch_id());
+  *req.mutable_query() = FloatTensor(std::vector<float>(2 * H * D), {2, H, D});
+  *req.mutable_key() = FloatTensor(std::vector<float>(2 * KV * D), {2, KV, D});
+  *req.mutable_value() =
+      FloatTensor(std::vector<float>(2 * KV * D), {2, KV, D});
+  absl::StatusOr<v1::PagedAttentionResponse> r = c->PagedAttention(req);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("shared"));
+  // Wrong shapes are refused before anything is written.
+  *req.mutable_key() = FloatTensor(std::vector<float>(KV * D), {1, KV, D});
+  EXPECT_EQ(c->PagedAttention(req).status().code(),
+            absl::StatusCode::kFailedPrecondition);  // the shared block first
+  const uint64_t kid[] = {3};
+  ASSERT_TRUE(c->FreeSequences(kid).ok());
+  r = c->PagedAttention(req);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("key must be"));
+  (*server)->Shutdown(absl::Seconds(1));
+}
+
+TEST(ServiceAttention, ExplicitModeMatchesAPlainComputation) {
+  ServerOptions o = SmallServer(UnixTarget() + ".explicit", 16);
+  o.engine.cache.dtype = DType::kFloat32;
+  o.engine.cache.num_kv_heads = 1;
+  o.engine.cache.head_size = 8;
+  o.engine.cache.layout = CacheLayout::kNhd;
+  absl::StatusOr<std::unique_ptr<Server>> server = Server::Start(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  std::unique_ptr<Client> c = Client::Connect((*server)->address());
+  // One row, two tokens written at slots 5*16+0 and 5*16+1; a query on the
+  // second attends both: with identical keys the output is the mean of V.
+  v1::PagedAttentionRequest req;
+  req.set_layer(0);
+  *req.mutable_block_tables() = MakeIndexTensor({5}, {1, 1});
+  *req.mutable_seq_lens() = MakeIndexTensor({2}, {1});
+  *req.mutable_slot_mapping() = MakeIndexTensor({80, 81}, {2});
+  *req.mutable_query_start_loc() = MakeIndexTensor({0, 2}, {2});
+  std::vector<float> k(16, 0.5f), v(16);
+  for (int i = 0; i < 8; ++i) {
+    v[i] = 1.0f;
+    v[8 + i] = 3.0f;
+  }
+  *req.mutable_query() = FloatTensor(std::vector<float>(16, 0.25f), {2, 1, 8});
+  *req.mutable_key() = FloatTensor(k, {2, 1, 8});
+  *req.mutable_value() = FloatTensor(v, {2, 1, 8});
+  absl::StatusOr<v1::PagedAttentionResponse> r = c->PagedAttention(req);
+  ASSERT_TRUE(r.ok()) << r.status();
+  const std::vector<float> out = FloatValues(r->out());
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_FLOAT_EQ(out[i], 1.0f);      // token 0 sees only itself
+    EXPECT_FLOAT_EQ(out[8 + i], 2.0f);  // token 1: mean of 1 and 3
+  }
+  req.set_batch_id(9);
+  EXPECT_EQ(c->PagedAttention(req).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  (*server)->Shutdown(absl::Seconds(1));
 }
 
 TEST_P(ServiceTest, HealthIsServing) {
