@@ -40,6 +40,39 @@ inline void StoreAct(DType d, void* p, int64_t i, float v) {
   }
 }
 
+// exp(x) for x <= 0 (logits minus their max), branch-free so that loops
+// over it vectorize: 2^(x log2 e) split into 2^n * 2^f with a degree-6
+// polynomial for 2^f on [-0.5, 0.5]; relative error ~2e-7. Below -87 it
+// returns 0 (exp underflows there anyway).
+__attribute__((always_inline)) inline float FastExp(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float t = x * 1.44269504088896341f;
+  // Round to nearest by the 1.5 * 2^23 trick (|t| < 2^22 here), which
+  // vectorizes on any x86 where nearbyint needs SSE4.1.
+  const float n = (t + 12582912.0f) - 12582912.0f;
+  const float f = t - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const int32_t e = static_cast<int32_t>(n) + 127;
+  return p * BitsFloat(static_cast<uint32_t>(e < 1 ? 0 : e) << 23);
+}
+
+// Branch-free half -> float, so that conversion loops vectorize: the
+// exponent is rebased by a multiply by 2^112 (normals and subnormals alike);
+// infinities and NaNs keep an all-ones exponent.
+inline float HalfToFloatFast(uint16_t h) {
+  const uint32_t em = h & 0x7fffu;
+  const float mag = BitsFloat(em << 13) * 5.192296858534828e+33f;  // 2^112
+  const uint32_t bits =
+      em >= 0x7c00u ? (0x7f800000u | (em << 13)) : FloatBits(mag);
+  return BitsFloat(bits | (uint32_t{h & 0x8000u} << 16));
+}
+
 // Cache element access, one instantiation per cache dtype.
 template <DType kCache>
 struct CacheElem;
@@ -52,7 +85,7 @@ struct CacheElem<DType::kFloat32> {
 template <>
 struct CacheElem<DType::kFloat16> {
   using T = uint16_t;
-  static float Load(T v, float) { return HalfToFloat(v); }
+  static float Load(T v, float) { return HalfToFloatFast(v); }
   static T Store(float v, float) { return FloatToHalf(v); }
 };
 template <>
@@ -73,6 +106,80 @@ struct CacheElem<DType::kFp8E5M2> {
   static float Load(T v, float s) { return Fp8E5M2ToFloat(v) * s; }
   static T Store(float v, float s) { return FloatToFp8E5M2(v / s); }
 };
+
+// 8 floats as one vector (a ymm register inside the AVX2/AVX-512 wrappers,
+// two xmm elsewhere), with explicit loads and stores.
+typedef float F8 __attribute__((vector_size(32)));
+__attribute__((always_inline)) inline F8 LoadF8(const float* p) {
+  F8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+__attribute__((always_inline)) inline void StoreF8(float* p, F8 v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+// 8 cache elements to floats. The generic version goes element by element;
+// bf16 and fp16 widen as vectors.
+template <typename Elem>
+__attribute__((always_inline)) inline F8 Convert8(const typename Elem::T* src,
+                                                  float scale) {
+  float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = Elem::Load(src[i], scale);
+  return LoadF8(f);
+}
+
+__attribute__((always_inline)) inline F8 HAdd(F8 a, F8 b) {
+  return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+         __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+// The sums of eight vectors, as one vector: r[i] = sum of v[i]'s lanes.
+__attribute__((always_inline)) inline F8 TransposeSum(const F8* v) {
+  const F8 a = HAdd(HAdd(v[0], v[1]), HAdd(v[2], v[3]));
+  const F8 b = HAdd(HAdd(v[4], v[5]), HAdd(v[6], v[7]));
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+__attribute__((always_inline)) inline float HSum(F8 v) {
+  float f[8];
+  std::memcpy(f, &v, sizeof(f));
+  return ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
+}
+
+typedef uint16_t U16x8 __attribute__((vector_size(16)));
+typedef uint32_t U32x8 __attribute__((vector_size(32)));
+
+template <>
+__attribute__((always_inline)) inline F8 Convert8<CacheElem<DType::kBFloat16>>(
+    const uint16_t* src, float) {
+  U16x8 h;
+  std::memcpy(&h, src, sizeof(h));
+  const U32x8 w = __builtin_convertvector(h, U32x8) << 16;
+  F8 f;
+  std::memcpy(&f, &w, sizeof(f));
+  return f;
+}
+
+template <>
+__attribute__((always_inline)) inline F8 Convert8<CacheElem<DType::kFloat16>>(
+    const uint16_t* src, float) {
+  U16x8 h;
+  std::memcpy(&h, src, sizeof(h));
+  const U32x8 w = __builtin_convertvector(h, U32x8);
+  const U32x8 em = w & 0x7fffu;
+  F8 mag;
+  const U32x8 shifted = em << 13;
+  std::memcpy(&mag, &shifted, sizeof(mag));
+  mag *= 5.192296858534828e+33f;  // 2^112: rebases the exponent
+  U32x8 bits;
+  std::memcpy(&bits, &mag, sizeof(bits));
+  const U32x8 special = em >= 0x7c00u;  // all ones where inf or NaN
+  bits = (special & (0x7f800000u | shifted)) | (~special & bits);
+  bits |= (w & 0x8000u) << 16;
+  F8 f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
 
 template <typename F>
 decltype(auto) DispatchCache(DType d, F&& f) {
@@ -113,7 +220,8 @@ Geometry GeometryOf(const CacheConfig& c) {
 
 // Independent accumulators let the compiler vectorize without reassociating
 // a single float sum.
-inline float Dot(const float* a, const float* b, int64_t n) {
+__attribute__((always_inline)) inline float Dot(const float* a, const float* b,
+                                                int64_t n) {
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -125,13 +233,14 @@ inline float Dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-inline void Axpy(float* y, float a, const float* x, int64_t n) {
+__attribute__((always_inline)) inline void Axpy(float* y, float a,
+                                                const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
 // One work item's scratch, reused across items on a thread.
 struct Scratch {
-  std::vector<float> q, logits, tile, acc;
+  std::vector<float> q, logits, tile, acc, lanes;
 };
 
 template <typename Elem>
@@ -160,11 +269,13 @@ class Attender {
   void Partial(Scratch& s, int64_t r, int64_t h, int64_t qi, int64_t pos,
                int64_t lo, int64_t hi, float* m_out, float* s_out,
                float* acc_out) const {
-    const int64_t D = c_.head_size, bs = c_.block_size, G = group_;
+    const int64_t D = c_.head_size, G = group_;
     const int64_t n = hi - lo;
     s.q.resize(G * D);
-    s.logits.resize(G * std::max<int64_t>(n, 1));
-    s.tile.resize(bs * D);
+    s.logits.resize(G * (n + 2 * c_.block_size));
+    s.tile.resize(c_.block_size * D);
+    s.lanes.resize(G * D * std::max<int64_t>(c_.block_size, g_.x));
+    s.acc.resize(G * c_.block_size);
     const DType qd = q_.dtype();
     for (int64_t g = 0; g < G; ++g) {
       const int64_t base = (qi * heads_ + h * G + g) * D;
@@ -172,20 +283,43 @@ class Attender {
         s.q[g * D + d] = LoadAct(qd, q_.raw_data(), base + d) * scale_;
       }
     }
+    kernel_(*this, s, r, h, pos, lo, hi, m_out, s_out, acc_out);
+  }
+
+  // The body of Partial, always inlined into one wrapper per instruction
+  // set (see Dispatch), so that the same loops are vectorized for AVX2 or
+  // AVX-512 and chosen at run time.
+  __attribute__((always_inline)) inline void Body(Scratch& s, int64_t r,
+                                                  int64_t h, int64_t pos,
+                                                  int64_t lo, int64_t hi,
+                                                  float* m_out, float* s_out,
+                                                  float* acc_out) const {
+    const int64_t D = c_.head_size, bs = c_.block_size, G = group_;
+    const int64_t n = hi - lo;
     const int64_t* table = &rows_.block_tables[r * rows_.width];
     // Pass 1: logits, one K block at a time.
     for (int64_t c = lo / bs; c * bs < hi; ++c) {
-      const int64_t t0 = std::max(lo, c * bs) - c * bs;
-      const int64_t t1 = std::min(hi, (c + 1) * bs) - c * bs;
-      LoadKeys(table[c], h, t0, t1, s.tile.data());
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t j = c * bs + t;
-        for (int64_t g = 0; g < G; ++g) {
-          float l = Dot(&s.q[g * D], &s.tile[t * D], D);
-          if (!p_.alibi_slopes.empty()) {
-            l += p_.alibi_slopes[h * G + g] * static_cast<float>(j - pos);
+      const int64_t t0 = (lo > c * bs ? lo : c * bs) - c * bs;
+      const int64_t t1 = (hi < (c + 1) * bs ? hi : (c + 1) * bs) - c * bs;
+      if (c + 1 < (hi + bs - 1) / bs) Prefetch(table[c + 1], h);
+      float* lg = &s.logits[0];
+      if (g_.vllm) {
+        KeyLogitsVllm(table[c], h, t0, t1, s, c * bs - lo, n);
+      } else {
+        LoadKeys(table[c], h, t0, t1, s.tile.data());
+        for (int64_t t = t0; t < t1; ++t) {
+          for (int64_t g = 0; g < G; ++g) {
+            lg[g * n + (c * bs + t - lo)] = Dot(&s.q[g * D], &s.tile[t * D], D);
           }
-          s.logits[g * n + (j - lo)] = l;
+        }
+      }
+      if (!p_.alibi_slopes.empty()) {
+        for (int64_t g = 0; g < G; ++g) {
+          const float slope = p_.alibi_slopes[h * G + g];
+          for (int64_t t = t0; t < t1; ++t) {
+            lg[g * n + (c * bs + t - lo)] +=
+                slope * static_cast<float>(c * bs + t - pos);
+          }
         }
       }
     }
@@ -193,20 +327,24 @@ class Attender {
     for (int64_t g = 0; g < G; ++g) {
       float* l = &s.logits[g * n];
       float m = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < n; ++j) m = std::max(m, l[j]);
+      for (int64_t j = 0; j < n; ++j) m = l[j] > m ? l[j] : m;
       float sum = 0;
       for (int64_t j = 0; j < n; ++j) {
-        l[j] = std::exp(l[j] - m);
+        l[j] = FastExp(l[j] - m);
         sum += l[j];
       }
       m_out[g] = m;
       s_out[g] = sum;
     }
     // Pass 2: weighted values, one V block at a time.
-    std::fill(acc_out, acc_out + G * D, 0.0f);
+    if (g_.vllm) {
+      ValuesVllm(table, h, lo, hi, s, acc_out);
+      return;
+    }
+    for (int64_t i = 0; i < G * D; ++i) acc_out[i] = 0.0f;
     for (int64_t c = lo / bs; c * bs < hi; ++c) {
-      const int64_t t0 = std::max(lo, c * bs) - c * bs;
-      const int64_t t1 = std::min(hi, (c + 1) * bs) - c * bs;
+      const int64_t t0 = (lo > c * bs ? lo : c * bs) - c * bs;
+      const int64_t t1 = (hi < (c + 1) * bs ? hi : (c + 1) * bs) - c * bs;
       LoadValues(table[c], h, t0, t1, s.tile.data());
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t j = c * bs + t;
@@ -240,7 +378,207 @@ class Attender {
 
   int64_t group() const { return group_; }
 
+  using KernelFn = void (*)(const Attender&, Scratch&, int64_t, int64_t,
+                            int64_t, int64_t, int64_t, float*, float*, float*);
+  static void BodyDefault(const Attender& a, Scratch& s, int64_t r, int64_t h,
+                          int64_t pos, int64_t lo, int64_t hi, float* m,
+                          float* sum, float* acc) {
+    a.Body(s, r, h, pos, lo, hi, m, sum, acc);
+  }
+  __attribute__((target("avx2,fma,f16c"))) static void BodyAvx2(
+      const Attender& a, Scratch& s, int64_t r, int64_t h, int64_t pos,
+      int64_t lo, int64_t hi, float* m, float* sum, float* acc) {
+    a.Body(s, r, h, pos, lo, hi, m, sum, acc);
+  }
+  __attribute__((
+      target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c"))) static void
+  BodyAvx512(const Attender& a, Scratch& s, int64_t r, int64_t h, int64_t pos,
+             int64_t lo, int64_t hi, float* m, float* sum, float* acc) {
+    a.Body(s, r, h, pos, lo, hi, m, sum, acc);
+  }
+  // The widest instruction set this CPU has, checked once per call.
+  static KernelFn Pick() {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") &&
+        __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512vl")) {
+      return BodyAvx512;
+    }
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+      return BodyAvx2;
+    }
+    return BodyDefault;
+  }
+
  private:
+  void Prefetch(int64_t block, int64_t h) const {
+    const int64_t n = c_.bytes_per_block() / c_.num_kv_heads;  // one head
+    const char* k =
+        reinterpret_cast<const char*>(k_ + g_.KeyIndex(block, h, 0, 0));
+    const char* v =
+        reinterpret_cast<const char*>(v_ + g_.ValueIndex(block, h, 0, 0));
+    if (!g_.vllm) return;  // NHD interleaves heads: the hardware prefetches
+    for (int64_t i = 0; i < n; i += 64) {
+      __builtin_prefetch(k + i);
+      __builtin_prefetch(v + i);
+    }
+  }
+
+  // vLLM key layout [D/x][bs][x]: for each token, x-wide lane sums of
+  // q * k across the D/x chunks, then one horizontal sum per token. Writes
+  // logits[g * n + off + t] for t in [t0, t1).
+  __attribute__((always_inline)) inline void KeyLogitsVllm(
+      int64_t block, int64_t h, int64_t t0, int64_t t1, Scratch& s, int64_t off,
+      int64_t n) const {
+    // x is 16 bytes of elements (the layout's definition), a compile-time
+    // constant per cache type, so the lane loops below are single vectors.
+    constexpr int64_t x = 16 / static_cast<int64_t>(sizeof(T));
+    const int64_t D = c_.head_size, bs = c_.block_size, G = group_;
+    const T* __restrict kb = k_ + g_.KeyIndex(block, h, 0, 0);
+    float* __restrict lanes = s.lanes.data();  // [G][bs][x]
+    const float* __restrict qs = s.q.data();
+    for (int64_t i = 0; i < G * bs * x; ++i) lanes[i] = 0.0f;
+    if constexpr (x % 8 == 0) {
+      // Per token, four query heads at a time: accumulators stay in
+      // registers across the D/x chunks; one horizontal sum per head.
+      for (int64_t t = t0; t < t1; ++t) {
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+          const int64_t ng = G - g0 < 4 ? G - g0 : 4;
+          F8 acc[4] = {};
+          for (int64_t dx = 0; dx < D / x; ++dx) {
+            const T* src = kb + (dx * bs + t) * x;
+            for (int64_t v8 = 0; v8 < x; v8 += 8) {
+              const F8 kv = Convert8<Elem>(src + v8, p_.k_scale);
+              for (int64_t i = 0; i < 4; ++i) {
+                if (i < ng) {
+                  acc[i] += LoadF8(&qs[(g0 + i) * D + dx * x + v8]) * kv;
+                }
+              }
+            }
+          }
+          for (int64_t i = 0; i < ng; ++i) {
+            s.logits[(g0 + i) * n + off + t] = HSum(acc[i]);
+          }
+        }
+      }
+      return;
+    } else {
+      float kx[x];
+      for (int64_t dx = 0; dx < D / x; ++dx) {
+        for (int64_t t = t0; t < t1; ++t) {
+          const T* src = kb + (dx * bs + t) * x;
+          for (int64_t i = 0; i < x; ++i)
+            kx[i] = Elem::Load(src[i], p_.k_scale);
+          for (int64_t g = 0; g < G; ++g) {
+            const float* q = &qs[g * D + dx * x];
+            float* l = &lanes[(g * bs + t) * x];
+            for (int64_t i = 0; i < x; ++i) l[i] += q[i] * kx[i];
+          }
+        }
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const float* l = &lanes[(g * bs + t) * x];
+        float sum = 0;
+        for (int64_t i = 0; i < x; ++i) sum += l[i];
+        s.logits[g * n + off + t] = sum;
+      }
+    }
+  }
+
+  // vLLM value layout [D][bs]: per dimension, bs-wide lane sums of p * v
+  // across all blocks, then one horizontal sum per (head, dimension).
+  __attribute__((always_inline)) inline void ValuesVllm(const int64_t* table,
+                                                        int64_t h, int64_t lo,
+                                                        int64_t hi, Scratch& s,
+                                                        float* acc_out) const {
+    const int64_t D = c_.head_size, bs = c_.block_size, G = group_;
+    const int64_t n = hi - lo;
+    float* __restrict lanes = s.lanes.data();  // [G][D][bs]
+    for (int64_t i = 0; i < G * D * bs; ++i) lanes[i] = 0.0f;
+    for (int64_t i = 0; i < G * D; ++i) acc_out[i] = 0.0f;
+    float* __restrict p = s.acc.data();   // [G][bs]: this block's weights
+    float* __restrict v = s.tile.data();  // [bs]: one dimension of V
+    for (int64_t c = lo / bs; c * bs < hi; ++c) {
+      const int64_t t0 = (lo > c * bs ? lo : c * bs) - c * bs;
+      const int64_t t1 = (hi < (c + 1) * bs ? hi : (c + 1) * bs) - c * bs;
+      const T* vb = v_ + g_.ValueIndex(table[c], h, 0, 0);
+      for (int64_t g = 0; g < G; ++g) {
+        for (int64_t t = 0; t < bs; ++t) {
+          p[g * bs + t] =
+              t >= t0 && t < t1 ? s.logits[g * n + c * bs + t - lo] : 0.0f;
+        }
+      }
+      const bool full = t0 == 0 && t1 == bs;
+      if (bs % 8 == 0 && bs <= 32) {
+        // Eight dimensions at a time: per head, the eight rows' products
+        // p * v (bs/8 vectors each) reduce by a transpose-sum into one
+        // vector of eight outputs, accumulated straight into acc_out.
+        F8 vrow[8][4];
+        for (int64_t d0 = 0; d0 < D; d0 += 8) {
+          for (int64_t k = 0; k < 8; ++k) {
+            const T* src = vb + (d0 + k) * bs;
+            for (int64_t t = 0; t < bs; t += 8) {
+              if (full) {
+                vrow[k][t / 8] = Convert8<Elem>(src + t, p_.v_scale);
+              } else {
+                // Slots outside [t0, t1) may be unwritten (NaN): never load.
+                float f[8];
+                for (int64_t i = 0; i < 8; ++i) {
+                  f[i] = t + i >= t0 && t + i < t1
+                             ? Elem::Load(src[t + i], p_.v_scale)
+                             : 0.0f;
+                }
+                vrow[k][t / 8] = LoadF8(f);
+              }
+            }
+          }
+          for (int64_t g = 0; g < G; ++g) {
+            F8 prod[8];
+            for (int64_t k = 0; k < 8; ++k) {
+              F8 sum = {};
+              for (int64_t t = 0; t < bs; t += 8) {
+                sum += LoadF8(&p[g * bs + t]) * vrow[k][t / 8];
+              }
+              prod[k] = sum;
+            }
+            float* o = &acc_out[g * D + d0];
+            StoreF8(o, LoadF8(o) + TransposeSum(prod));
+          }
+        }
+        continue;
+      }
+      for (int64_t d = 0; d < D; ++d) {
+        const T* src = vb + d * bs;
+        if (full) {
+          for (int64_t t = 0; t < bs; ++t)
+            v[t] = Elem::Load(src[t], p_.v_scale);
+        } else {
+          // Slots outside [t0, t1) may be unwritten (NaN): never load them.
+          for (int64_t t = 0; t < bs; ++t) {
+            v[t] = t >= t0 && t < t1 ? Elem::Load(src[t], p_.v_scale) : 0.0f;
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          float* l = &lanes[(g * D + d) * bs];
+          const float* pg = &p[g * bs];
+          for (int64_t t = 0; t < bs; ++t) l[t] += pg[t] * v[t];
+        }
+      }
+    }
+    if (bs % 8 == 0 && bs <= 32) return;  // accumulated directly
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t d = 0; d < D; ++d) {
+        const float* l = &lanes[(g * D + d) * bs];
+        float sum = 0;
+        for (int64_t t = 0; t < bs; ++t) sum += l[t];
+        acc_out[g * D + d] += sum;
+      }
+    }
+  }
+
   // tile[t * D + d] = K(block, h, d, t) for t in [t0, t1).
   void LoadKeys(int64_t block, int64_t h, int64_t t0, int64_t t1,
                 float* tile) const {
@@ -291,6 +629,7 @@ class Attender {
   const int64_t heads_;
   const int64_t group_;
   const float scale_;
+  const KernelFn kernel_ = Pick();
 };
 
 std::string RowError(int64_t r, const std::string& what) {
@@ -311,7 +650,8 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
     max_len = std::max(max_len, rows.seq_lens[r]);
   const int64_t max_parts = (max_len + P - 1) / P;
   // Auto: partition only when whole rows are too few to keep the threads
-  // busy and contexts are long enough to split (measured, see docs/).
+  // busy and contexts are long enough to split. A heuristic (vLLM's idea);
+  // not yet tuned by measurement (docs/attention.md).
   const int threads = pool != nullptr ? pool->num_threads() : 1;
   const bool partitioned = p.kernel == AttentionParams::Kernel::kPartitioned ||
                            (p.kernel == AttentionParams::Kernel::kAuto &&

@@ -41,6 +41,8 @@ ABSL_FLAG(int64_t, max_message_bytes, int64_t{64} << 20, "gRPC message limit");
 ABSL_FLAG(int64_t, max_cache_gib, 16, "refuse to start with a larger cache");
 ABSL_FLAG(int64_t, num_host_blocks, 0,
           "blocks of the host tier for SwapOut/SwapIn (0: none)");
+ABSL_FLAG(int32_t, attention_threads, 0,
+          "threads for PagedAttention, this one included (0: one per core)");
 ABSL_FLAG(double, watermark, 0.01,
           "CanAllocate answers LATER below this fraction of free blocks");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(5),
@@ -104,6 +106,7 @@ int main(int argc, char** argv) {
   l.max_cache_bytes = gib << 30;
   opt.engine.num_host_blocks = absl::GetFlag(FLAGS_num_host_blocks);
   opt.engine.watermark = absl::GetFlag(FLAGS_watermark);
+  opt.engine.attention_threads = absl::GetFlag(FLAGS_attention_threads);
 
   const absl::Time t0 = absl::Now();
   absl::StatusOr<std::unique_ptr<kvstep::Server>> server =

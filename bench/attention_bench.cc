@@ -1,0 +1,166 @@
+// Decode attention throughput against memory bandwidth, in one run.
+//
+// For each (dtype, context, batch, threads): K+V bytes the kernel must read
+// per second, next to the same run's STREAM-like read and copy bandwidth
+// over a warm 1 GiB buffer. Geometry: 32 query heads over 8 KV heads (GQA
+// 4), head 128, block 16, random block tables; the pool is pre-touched and
+// advised to use huge pages. The goal: >= 80% of read bandwidth for
+// contexts of 1k and longer.
+//
+//   build/bench/attention_bench [--full] [--seconds=0.3]
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/attention.h"
+#include "core/float_convert.h"
+
+namespace kvstep {
+namespace {
+
+double Now() {
+  return std::chrono::duration<double>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// GB/s of a read-only pass over `bytes` warm bytes on `threads` threads
+// (each reads its own half), and of a single-thread copy. The read sums
+// 64-bit integers in 8 independent lanes (vectorized, so memory and not add
+// latency bounds it); the copy is checked so it cannot be elided. Best of 5.
+void Baseline(size_t bytes, int threads, double* read_gbs, double* copy_gbs) {
+  std::vector<uint64_t> a(bytes / 8), b(bytes / 8, 0);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = i;
+  double best_read = 0, best_copy = 0;
+  std::atomic<uint64_t> sink{0};
+  auto part = [&](size_t lo, size_t hi) {
+    uint64_t s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (size_t i = lo; i + 8 <= hi; i += 8) {
+      for (int k = 0; k < 8; ++k) s[k] += a[i + k];
+    }
+    uint64_t total = 0;
+    for (uint64_t v : s) total += v;
+    sink += total;
+  };
+  for (int rep = 0; rep < 5; ++rep) {
+    double t = Now();
+    std::vector<std::thread> ts;
+    const size_t chunk = a.size() / threads;
+    for (int k = 1; k < threads; ++k) {
+      ts.emplace_back(part, k * chunk, (k + 1) * chunk);
+    }
+    part(0, chunk);
+    for (std::thread& th : ts) th.join();
+    best_read = std::max(best_read, bytes / (Now() - t) / 1e9);
+    t = Now();
+    std::memcpy(b.data(), a.data(), bytes);
+    best_copy = std::max(best_copy, 2.0 * bytes / (Now() - t) / 1e9);
+    sink += b[rep * 12345 % b.size()];
+  }
+  *read_gbs = best_read;
+  *copy_gbs = best_copy;
+  if (sink == 42) std::printf(" ");
+}
+
+struct Result {
+  double gbs;
+  double us;
+};
+
+Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
+               double seconds) {
+  CacheConfig c;
+  c.block_size = 16;
+  c.num_kv_heads = 8;
+  c.head_size = 128;
+  c.num_layers = 1;
+  c.dtype = dtype;
+  c.layout = CacheLayout::kVllm;
+  const int64_t per_row = (ctx + 15) / 16;
+  c.num_blocks = per_row * batch;
+  auto cache = *KvCache::Create(c, CpuDevice());
+  // Fill with small finite values.
+  std::memset(cache->key(0).raw_data(), 0x11, cache->key(0).nbytes());
+  std::memset(cache->value(0).raw_data(), 0x11, cache->value(0).nbytes());
+  AttentionRows rows;
+  rows.width = per_row;
+  rows.num_real = batch;
+  std::vector<int64_t> perm(c.num_blocks);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), std::mt19937_64(1));
+  rows.block_tables = perm;
+  for (int64_t r = 0; r <= batch; ++r) rows.query_start.push_back(r);
+  rows.seq_lens.assign(batch, ctx);
+  const DType act = dtype == DType::kFloat32 ? DType::kFloat32 : dtype;
+  Tensor q = *Tensor::Zeros(CpuDevice(), act, {batch, 32, 128});
+  std::memset(q.raw_data(), 0x11, q.nbytes());
+  ThreadPool pool(threads);
+  AttentionParams p;
+  Tensor out;
+  const double bytes = 2.0 * batch * ctx * c.num_kv_heads * c.head_size *
+                       static_cast<double>(DTypeSize(dtype));
+  (void)PagedAttention(*cache, 0, q, rows, p, &pool, &out);  // warm
+  int iters = 0;
+  const double start = Now();
+  double elapsed = 0;
+  while (elapsed < seconds || iters < 3) {
+    (void)PagedAttention(*cache, 0, q, rows, p, &pool, &out);
+    ++iters;
+    elapsed = Now() - start;
+  }
+  return {bytes * iters / elapsed / 1e9, elapsed / iters * 1e6};
+}
+
+}  // namespace
+}  // namespace kvstep
+
+int main(int argc, char** argv) {
+  using kvstep::DType;
+  bool full = false;
+  double seconds = 0.3;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--full") full = true;
+    if (a.rfind("--seconds=", 0) == 0) seconds = std::stod(a.substr(10));
+  }
+  double read1 = 0, read2 = 0, copy_gbs = 0;
+  kvstep::Baseline(size_t{1} << 30, 1, &read1, &copy_gbs);
+  kvstep::Baseline(size_t{1} << 30, 2, &read2, &copy_gbs);
+  std::printf(
+      "baseline (same run, 1 GiB warm): read %.1f GB/s (1 thread), %.1f GB/s "
+      "(2 threads), copy %.1f GB/s; \"of read\" uses the same thread count\n",
+      read1, read2, copy_gbs);
+  std::printf("%-9s %7s %6s %8s %10s %9s %10s\n", "dtype", "context", "batch",
+              "threads", "us/call", "KV GB/s", "of read");
+  const std::vector<int64_t> contexts =
+      full ? std::vector<int64_t>{128, 512, 1024, 2048, 4096, 8192}
+           : std::vector<int64_t>{128, 1024, 4096};
+  const std::vector<int64_t> batches =
+      full ? std::vector<int64_t>{1, 16, 64, 256} : std::vector<int64_t>{1, 16};
+  for (DType d : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    for (int64_t ctx : contexts) {
+      for (int64_t batch : batches) {
+        // Keep each pool under 2 GiB.
+        if (2.0 * batch * ctx * 8 * 128 * kvstep::DTypeSize(d) > 2e9) continue;
+        for (int threads : {1, 2}) {
+          const kvstep::Result r =
+              kvstep::Measure(d, ctx, batch, threads, seconds);
+          std::printf("%-9s %7ld %6ld %8d %10.1f %9.2f %9.0f%%\n",
+                      std::string(kvstep::DTypeName(d)).c_str(),
+                      static_cast<long>(ctx), static_cast<long>(batch), threads,
+                      r.us, r.gbs,
+                      100.0 * r.gbs / (threads == 1 ? read1 : read2));
+          std::fflush(stdout);
+        }
+      }
+    }
+  }
+  return 0;
+}
