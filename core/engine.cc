@@ -7,6 +7,7 @@
 
 #include "absl/random/random.h"
 #include "absl/strings/str_format.h"
+#include "core/index_dispatch.h"
 
 namespace kvstep {
 namespace {
@@ -536,21 +537,13 @@ absl::StatusOr<Tensor> Engine::PagedAttention(BatchId id,
     }
   }
   const BatchTensors& t = b.tensors();
-  auto values = [](const Tensor& x) {
-    std::vector<int64_t> v(static_cast<size_t>(x.numel()));
-    for (int64_t i = 0; i < x.numel(); ++i) {
-      v[i] = x.dtype() == DType::kInt32 ? x.data<int32_t>()[i]
-                                        : x.data<int64_t>()[i];
-    }
-    return v;
-  };
   AttentionRows rows;
-  rows.query_start = values(t.query_start_loc);
-  rows.seq_lens = values(t.state.seq_lens);
-  rows.block_tables = values(t.state.block_tables);
+  rows.query_start = IndexValues(t.query_start_loc);
+  rows.seq_lens = IndexValues(t.state.seq_lens);
+  rows.block_tables = IndexValues(t.state.block_tables);
   rows.width = b.table_width();
   rows.num_real = m.num_queries;
-  const std::vector<int64_t> slots = values(t.state.slot_mapping);
+  const std::vector<int64_t> slots = IndexValues(t.state.slot_mapping);
   const int64_t bs = cache_->config().block_size;
   // No write may land in a block another sequence holds (a fork since the
   // step was planned): AllocateBlocks must copy it first.
@@ -563,30 +556,21 @@ absl::StatusOr<Tensor> Engine::PagedAttention(BatchId id,
           k, slots[k], slots[k] / bs));
     }
   }
-  if (absl::Status s =
-          ValidateAttention(cache_->config(), req.query, rows, req.params);
-      !s.ok()) {
-    return s;
-  }
-  if (absl::Status s =
-          ReshapeAndCache(*cache_, req.layer, req.key, req.value, slots,
-                          req.params.k_scale, req.params.v_scale);
-      !s.ok()) {
-    return s;
-  }
-  Tensor out;
-  if (absl::Status s = kvstep::PagedAttention(
-          *cache_, req.layer, req.query, rows, req.params, pool_.get(), &out);
-      !s.ok()) {
-    return s;
-  }
-  return out;
+  return AttendLocked(req, rows, slots);
 }
 
 absl::StatusOr<Tensor> Engine::PagedAttentionExplicit(
     const AttentionRequest& req, const AttentionRows& rows,
     absl::Span<const int64_t> slots) {
   MutexLock lock(&mu_);
+  return AttendLocked(req, rows, slots);
+}
+
+absl::StatusOr<Tensor> Engine::AttendLocked(const AttentionRequest& req,
+                                            const AttentionRows& rows,
+                                            absl::Span<const int64_t> slots) {
+  // The query and rows are checked before the step's K/V are written, and
+  // ReshapeAndCache checks its own inputs before writing anything.
   if (absl::Status s =
           ValidateAttention(cache_->config(), req.query, rows, req.params);
       !s.ok()) {

@@ -249,6 +249,11 @@ class Engine {
                  std::vector<BatchId>* stale)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   BlockStats StatsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Validates, writes the step's K/V at `slots`, and attends.
+  absl::StatusOr<Tensor> AttendLocked(const AttentionRequest& req,
+                                      const AttentionRows& rows,
+                                      absl::Span<const int64_t> slots)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<SwapOutcome> Swap(absl::Span<const SeqId> ids, bool out);
 
   const std::string instance_id_;

@@ -1,11 +1,14 @@
 // DispatchIndex: calls f(int32_t{}) or f(int64_t{}) for an index dtype, so
-// kernels are written once as templates over the integer widths.
+// kernels are written once as templates over the integer widths; and
+// IndexValues, an index tensor's values as int64.
 #ifndef KVSTEP_CORE_INDEX_DISPATCH_H_
 #define KVSTEP_CORE_INDEX_DISPATCH_H_
 
 #include <cstdint>
+#include <vector>
 
 #include "core/dtype.h"
+#include "core/tensor.h"
 
 namespace kvstep {
 
@@ -14,6 +17,17 @@ template <typename F>
 decltype(auto) DispatchIndex(DType dtype, F&& f) {
   if (dtype == DType::kInt32) return f(int32_t{});
   return f(int64_t{});
+}
+
+// The values of an int32 or int64 tensor, widened to int64.
+// REQUIRES: IsIndexType(t.dtype()) and t is host accessible.
+inline std::vector<int64_t> IndexValues(const Tensor& t) {
+  std::vector<int64_t> v(static_cast<size_t>(t.numel()));
+  DispatchIndex(t.dtype(), [&](auto tag) {
+    const auto* p = t.data<decltype(tag)>();
+    for (size_t i = 0; i < v.size(); ++i) v[i] = p[i];
+  });
+  return v;
 }
 
 }  // namespace kvstep

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/index_dispatch.h"
 #include "service/convert.h"
 
 namespace kvstep {
@@ -404,28 +405,20 @@ grpc::Status KvStepService::PagedAttention(grpc::ServerContext*,
           "explicit mode needs block_tables [num_rows, W], seq_lens "
           "[num_rows] and slot_mapping [num_tokens]");
     }
-    auto values = [](const Tensor& x) {
-      std::vector<int64_t> v(static_cast<size_t>(x.numel()));
-      for (int64_t i = 0; i < x.numel(); ++i) {
-        v[i] = x.dtype() == DType::kInt32 ? x.data<int32_t>()[i]
-                                          : x.data<int64_t>()[i];
-      }
-      return v;
-    };
     AttentionRows rows;
-    rows.seq_lens = values(lens);
-    rows.block_tables = values(tables);
+    rows.seq_lens = IndexValues(lens);
+    rows.block_tables = IndexValues(tables);
     rows.width = tables.dim(1);
     rows.num_real = lens.dim(0);
     if (qsl.defined()) {
       if (qsl.rank() != 1 || qsl.dim(0) != lens.dim(0) + 1) {
         return Invalid("query_start_loc must be [num_rows + 1]");
       }
-      rows.query_start = values(qsl);
+      rows.query_start = IndexValues(qsl);
     } else {
       for (int64_t r = 0; r <= lens.dim(0); ++r) rows.query_start.push_back(r);
     }
-    out = engine_->PagedAttentionExplicit(a, rows, values(slots));
+    out = engine_->PagedAttentionExplicit(a, rows, IndexValues(slots));
   }
   if (!out.ok()) return ToGrpcStatus(out.status());
   TensorToProto(*out, resp->mutable_out());

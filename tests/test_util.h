@@ -28,14 +28,7 @@ inline Tensor I64(Shape shape, const std::vector<int64_t>& values) {
   return MakeIndex(DType::kInt64, std::move(shape), values);
 }
 
-inline std::vector<int64_t> Values(const Tensor& t) {
-  std::vector<int64_t> out(static_cast<size_t>(t.numel()));
-  DispatchIndex(t.dtype(), [&](auto tag) {
-    const auto* p = t.data<decltype(tag)>();
-    for (size_t i = 0; i < out.size(); ++i) out[i] = p[i];
-  });
-  return out;
-}
+inline std::vector<int64_t> Values(const Tensor& t) { return IndexValues(t); }
 
 }  // namespace testing_util
 }  // namespace kvstep
