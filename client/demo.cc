@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_format.h"
@@ -20,6 +21,43 @@ double Median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
+}
+
+// Random float32 activations [n, heads, head_size] for PagedAttention.
+v1::Tensor RandomActivations(std::mt19937_64& rng, int64_t n, int64_t heads,
+                             int64_t head_size) {
+  std::uniform_real_distribution<float> uni(-1, 1);
+  std::vector<float> v(static_cast<size_t>(n * heads * head_size));
+  for (float& x : v) x = uni(rng);
+  v1::Tensor t;
+  t.set_dtype(v1::DTYPE_FLOAT32);
+  t.add_shape(n);
+  t.add_shape(heads);
+  t.add_shape(head_size);
+  t.set_data(
+      std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4));
+  return t;
+}
+
+// Layer 0's attention for the batch's current tokens: this step's K/V go
+// into the cache, and every row attends over its context. Returns the time.
+absl::StatusOr<double> Attend(Client& client, std::mt19937_64& rng,
+                              uint64_t batch, int64_t tokens,
+                              const v1::CacheGeometry& g) {
+  v1::PagedAttentionRequest req;
+  req.set_batch_id(batch);
+  req.set_layer(0);
+  // 4 query heads per KV head (GQA), as in the benchmarks.
+  *req.mutable_query() =
+      RandomActivations(rng, tokens, 4 * g.num_kv_heads(), g.head_size());
+  *req.mutable_key() =
+      RandomActivations(rng, tokens, g.num_kv_heads(), g.head_size());
+  *req.mutable_value() =
+      RandomActivations(rng, tokens, g.num_kv_heads(), g.head_size());
+  const absl::Time t = absl::Now();
+  absl::StatusOr<v1::PagedAttentionResponse> r = client.PagedAttention(req);
+  if (!r.ok()) return r.status();
+  return absl::ToDoubleMicroseconds(absl::Now() - t);
 }
 
 std::string Show(const v1::Tensor& t, size_t max_items = 8) {
@@ -75,6 +113,7 @@ absl::Status RunDemo(Client& client, const DemoOptions& o, std::ostream& out) {
     for (int64_t j = 0; j < o.prompt_len; ++j) row->add_token_ids(token(rng));
   }
   create.set_return_tensors(true);
+  create.set_block_table_width((o.prompt_len + o.steps) / g.block_size() + 1);
   t = absl::Now();
   absl::StatusOr<v1::CreateBatchResponse> batch = client.CreateBatch(create);
   if (!batch.ok()) return batch.status();
@@ -85,10 +124,16 @@ absl::Status RunDemo(Client& client, const DemoOptions& o, std::ostream& out) {
       batch->batch_id(), bt.num_prefills(), bt.num_prefill_tokens(), Micros(t),
       Show(bt.seq_lens()), Show(bt.query_start_loc()),
       Show(bt.slot_mapping(), 6));
+  absl::StatusOr<double> attn =
+      Attend(client, rng, batch->batch_id(), bt.num_prefill_tokens(), g);
+  if (!attn.ok()) return attn.status();
+  out << absl::StrFormat(
+      "PagedAttention (layer 0, prefill, %d tokens, %d query heads): %.0f us\n",
+      bt.num_prefill_tokens(), 4 * g.num_kv_heads(), *attn);
 
   // 3. Decode steps: the model ran and sampled; grow the blocks for the next
   // token, then advance the server-held state.
-  std::vector<double> alloc_us, advance_us;
+  std::vector<double> alloc_us, advance_us, attention_us;
   std::vector<int64_t> seq_lens(ids.size(), o.prompt_len);
   for (int64_t step = 1; step <= o.steps; ++step) {
     want.clear();
@@ -112,12 +157,16 @@ absl::Status RunDemo(Client& client, const DemoOptions& o, std::ostream& out) {
     if (!r.ok()) return r.status();
     advance_us.push_back(Micros(t));
     for (int64_t& len : seq_lens) ++len;
+    attn = Attend(client, rng, batch->batch_id(),
+                  static_cast<int64_t>(ids.size()), g);
+    if (!attn.ok()) return attn.status();
+    attention_us.push_back(*attn);
     out << absl::StrFormat(
         "step %d: positions %s slots %s seq_lens %s  (AllocateBlocks %.0f us, "
-        "AdvanceStep %.0f us)\n",
+        "AdvanceStep %.0f us, PagedAttention %.0f us)\n",
         r->step(), Show(r->tensors().input_positions()),
         Show(r->tensors().slot_mapping()), Show(r->tensors().seq_lens()),
-        alloc_us.back(), advance_us.back());
+        alloc_us.back(), advance_us.back(), attention_us.back());
   }
 
   // 4. Baseline: the cheapest round trip the server has.

@@ -2,8 +2,10 @@
 // main job. It allocates blocks for a few prompts, creates their prefill
 // batch, then runs decode steps (grow blocks, AdvanceStep with sampled
 // tokens) and prints what happened and how long every call took, next to a
-// bare GetServerInfo round trip measured in the same run. It ends by freeing
-// everything and checking that every block came back.
+// bare GetServerInfo round trip measured in the same run. Each step also runs
+// layer 0's PagedAttention (random float32 activations, GQA 4) through the
+// server. It ends by freeing everything and checking that every block came
+// back.
 #ifndef KVSTEP_CLIENT_DEMO_H_
 #define KVSTEP_CLIENT_DEMO_H_
 
