@@ -64,7 +64,8 @@ __attribute__((always_inline)) inline float FastExp(float x) {
   p = p * f + 6.931472028550421e-1f;
   p = p * f + 1.0f;
   const int32_t e = static_cast<int32_t>(n) + 127;
-  return p * BitsFloat(static_cast<uint32_t>(e < 1 ? 0 : e) << 23);
+  const float r = p * BitsFloat(static_cast<uint32_t>(e < 1 ? 0 : e) << 23);
+  return x <= -87.0f ? 0.0f : r;  // masked keys (-inf) weigh exactly 0
 }
 
 // Branch-free half -> float, so that conversion loops vectorize: the
@@ -246,6 +247,10 @@ __attribute__((always_inline)) inline void Axpy(float* y, float a,
 // One work item's scratch, reused across items on a thread.
 struct Scratch {
   std::vector<float> q, logits, tile, acc, lanes;
+  // The current chunk: nv = tokens * group "virtual heads" (token-major);
+  // token k of the chunk is at position pos0 + k.
+  int64_t nv = 0;
+  int64_t pos0 = 0;
 };
 
 template <typename Elem>
@@ -268,27 +273,37 @@ class Attender {
                    ? static_cast<float>(p.scale)
                    : 1.0f / std::sqrt(static_cast<float>(c_.head_size))) {}
 
-  // Attention of token `qi` (position `pos`) of row `r`, heads of KV head
-  // `h`, over keys [lo, hi). Writes the unnormalized accumulator and the
-  // max logit / exp-sum per query head into the scratch-owned outputs.
-  void Partial(Scratch& s, int64_t r, int64_t h, int64_t qi, int64_t pos,
-               int64_t lo, int64_t hi, float* m_out, float* s_out,
+  // Attention of `ntok` consecutive query tokens of row `r` (from token
+  // index qi0, the first at position pos0), for the query heads of KV head
+  // `h`, over keys [lo, hi) (each token also limited by causality and the
+  // sliding window). Writes, per (token, query head), the max logit, the
+  // exp-sum and the unnormalized weighted sum of values. The tokens share
+  // each K/V block read: a prefill chunk reads its context once per chunk,
+  // not once per token.
+  void Partial(Scratch& s, int64_t r, int64_t h, int64_t qi0, int64_t ntok,
+               int64_t pos0, int64_t lo, int64_t hi, float* m_out, float* s_out,
                float* acc_out) const {
     const int64_t D = c_.head_size, G = group_;
+    const int64_t nv = ntok * G;
     const int64_t n = hi - lo;
-    s.q.resize(G * D);
-    s.logits.resize(G * (n + 2 * c_.block_size));
+    s.nv = nv;
+    s.pos0 = pos0;
+    s.q.resize(nv * D);
+    s.logits.resize(nv * (n + 2 * c_.block_size));
     s.tile.resize(c_.block_size * D);
-    s.lanes.resize(G * D * std::max<int64_t>(c_.block_size, g_.x));
-    s.acc.resize(G * c_.block_size);
+    s.lanes.resize(nv * D * std::max<int64_t>(c_.block_size, g_.x));
+    s.acc.resize(nv * c_.block_size);
     const DType qd = q_.dtype();
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t base = (qi * heads_ + h * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) {
-        s.q[g * D + d] = LoadAct(qd, q_.raw_data(), base + d) * scale_;
+    for (int64_t k = 0; k < ntok; ++k) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t base = ((qi0 + k) * heads_ + h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          s.q[(k * G + g) * D + d] =
+              LoadAct(qd, q_.raw_data(), base + d) * scale_;
+        }
       }
     }
-    kernel_(*this, s, r, h, pos, lo, hi, m_out, s_out, acc_out);
+    kernel_(*this, s, r, h, pos0, lo, hi, m_out, s_out, acc_out);
   }
 
   // The body of Partial, always inlined into one wrapper per instruction
@@ -299,9 +314,10 @@ class Attender {
                                                   int64_t lo, int64_t hi,
                                                   float* m_out, float* s_out,
                                                   float* acc_out) const {
-    const int64_t D = c_.head_size, bs = c_.block_size, G = group_;
+    const int64_t D = c_.head_size, bs = c_.block_size, G = s.nv;
     const int64_t n = hi - lo;
     const int64_t* table = &rows_.block_tables[r * rows_.width];
+    (void)pos;  // per virtual head: s.pos0 + vh / group_
     // Pass 1: logits, one K block at a time.
     for (int64_t c = lo / bs; c * bs < hi; ++c) {
       const int64_t t0 = (lo > c * bs ? lo : c * bs) - c * bs;
@@ -320,11 +336,25 @@ class Attender {
       }
       if (!p_.alibi_slopes.empty()) {
         for (int64_t g = 0; g < G; ++g) {
-          const float slope = p_.alibi_slopes[h * G + g];
+          const float slope = p_.alibi_slopes[h * group_ + g % group_];
+          const int64_t pg = s.pos0 + g / group_;
           for (int64_t t = t0; t < t1; ++t) {
             lg[g * n + (c * bs + t - lo)] +=
-                slope * static_cast<float>(c * bs + t - pos);
+                slope * static_cast<float>(c * bs + t - pg);
           }
+        }
+      }
+    }
+    // Each token sees only keys j <= its position (and inside its window):
+    // the others are masked, and weigh exactly 0 after the softmax.
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t pg = s.pos0 + g / group_;
+      const int64_t wlo =
+          p_.sliding_window > 0 ? pg - p_.sliding_window + 1 : 0;
+      float* l = &s.logits[g * n];
+      for (int64_t j = 0; j < n; ++j) {
+        if (lo + j > pg || lo + j < wlo) {
+          l[j] = -std::numeric_limits<float>::infinity();
         }
       }
     }
@@ -337,6 +367,11 @@ class Attender {
       for (int64_t j = 0; j < n; ++j) {
         l[j] = FastExp(l[j] - m);
         sum += l[j];
+      }
+      if (m == -std::numeric_limits<float>::infinity()) {
+        // No key in range for this token (a partition before its window).
+        for (int64_t j = 0; j < n; ++j) l[j] = 0.0f;
+        sum = 0;
       }
       m_out[g] = m;
       s_out[g] = sum;
@@ -439,7 +474,7 @@ class Attender {
     // x is 16 bytes of elements (the layout's definition), a compile-time
     // constant per cache type, so the lane loops below are single vectors.
     constexpr int64_t x = 16 / static_cast<int64_t>(sizeof(T));
-    const int64_t D = c_.head_size, bs = c_.block_size, G = group_;
+    const int64_t D = c_.head_size, bs = c_.block_size, G = s.nv;
     const T* __restrict kb = k_ + g_.KeyIndex(block, h, 0, 0);
     float* __restrict lanes = s.lanes.data();  // [G][bs][x]
     const float* __restrict qs = s.q.data();
@@ -499,10 +534,13 @@ class Attender {
                                                         int64_t h, int64_t lo,
                                                         int64_t hi, Scratch& s,
                                                         float* acc_out) const {
-    const int64_t D = c_.head_size, bs = c_.block_size, G = group_;
+    const int64_t D = c_.head_size, bs = c_.block_size, G = s.nv;
     const int64_t n = hi - lo;
-    float* __restrict lanes = s.lanes.data();  // [G][D][bs]
-    for (int64_t i = 0; i < G * D * bs; ++i) lanes[i] = 0.0f;
+    const bool direct = bs % 8 == 0 && bs <= 32;
+    float* __restrict lanes = s.lanes.data();  // [G][D][bs], other sizes
+    if (!direct) {
+      for (int64_t i = 0; i < G * D * bs; ++i) lanes[i] = 0.0f;
+    }
     for (int64_t i = 0; i < G * D; ++i) acc_out[i] = 0.0f;
     float* __restrict p = s.acc.data();   // [G][bs]: this block's weights
     float* __restrict v = s.tile.data();  // [bs]: one dimension of V
@@ -517,7 +555,7 @@ class Attender {
         }
       }
       const bool full = t0 == 0 && t1 == bs;
-      if (bs % 8 == 0 && bs <= 32) {
+      if (direct) {
         // Eight dimensions at a time: per head, the eight rows' products
         // p * v (bs/8 vectors each) reduce by a transpose-sum into one
         // vector of eight outputs, accumulated straight into acc_out.
@@ -573,7 +611,7 @@ class Attender {
         }
       }
     }
-    if (bs % 8 == 0 && bs <= 32) return;  // accumulated directly
+    if (direct) return;  // accumulated straight into acc_out
     for (int64_t g = 0; g < G; ++g) {
       for (int64_t d = 0; d < D; ++d) {
         const float* l = &lanes[(g * D + d) * bs];
@@ -668,20 +706,26 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
       for (int64_t i = 0; i < n; ++i) fn(i);
     }
   };
+  // Query tokens per chunk: a prefill chunk's tokens share K/V reads.
+  constexpr int64_t kChunk = 16;
   thread_local Scratch scratch;
   if (!partitioned) {
     run(
         [&](int64_t item) {
           const int64_t r = item / kvh, h = item % kvh;
           const int64_t qs = rows.query_start[r], qe = rows.query_start[r + 1];
-          std::vector<float> m(G), s(G), acc(G * D);
-          for (int64_t qi = qs; qi < qe; ++qi) {
-            const int64_t pos = rows.seq_lens[r] - (qe - qi);
-            int64_t lo, hi;
-            a.Range(pos, &lo, &hi);
-            a.Partial(scratch, r, h, qi, pos, lo, hi, m.data(), s.data(),
+          std::vector<float> m(kChunk * G), s(kChunk * G), acc(kChunk * G * D);
+          for (int64_t qi = qs; qi < qe; qi += kChunk) {
+            const int64_t ntok = std::min(kChunk, qe - qi);
+            const int64_t pos0 = rows.seq_lens[r] - (qe - qi);
+            int64_t lo, hi, unused_lo, unused_hi;
+            a.Range(pos0, &lo, &unused_hi);
+            a.Range(pos0 + ntok - 1, &unused_lo, &hi);
+            a.Partial(scratch, r, h, qi, ntok, pos0, lo, hi, m.data(), s.data(),
                       acc.data());
-            a.Store(qi, h, acc.data(), s.data());
+            for (int64_t k = 0; k < ntok; ++k) {
+              a.Store(qi + k, h, &acc[k * G * D], &s[k * G]);
+            }
           }
         },
         rows.num_real * kvh);
@@ -698,17 +742,29 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
         const int64_t part = item % max_parts;
         const int64_t r = item / max_parts / kvh, h = (item / max_parts) % kvh;
         const int64_t qs = rows.query_start[r], qe = rows.query_start[r + 1];
-        for (int64_t qi = qs; qi < qe; ++qi) {
-          const int64_t pos = rows.seq_lens[r] - (qe - qi);
-          int64_t lo, hi;
-          a.Range(pos, &lo, &hi);
+        std::vector<float> m(kChunk * G), s(kChunk * G), acc(kChunk * G * D);
+        for (int64_t qi = qs; qi < qe; qi += kChunk) {
+          const int64_t ntok = std::min(kChunk, qe - qi);
+          const int64_t pos0 = rows.seq_lens[r] - (qe - qi);
+          int64_t lo, hi, unused_lo, unused_hi;
+          a.Range(pos0, &lo, &unused_hi);
+          a.Range(pos0 + ntok - 1, &unused_lo, &hi);
           lo = std::max(lo, part * P);
           hi = std::min(hi, (part + 1) * P);
           if (lo >= hi) continue;
-          const int64_t slot = (qi * kvh + h) * max_parts + part;
-          float* buf = &partial[slot * stride];
-          a.Partial(scratch, r, h, qi, pos, lo, hi, buf, buf + G, buf + 2 * G);
-          used[slot] = 1;
+          a.Partial(scratch, r, h, qi, ntok, pos0, lo, hi, m.data(), s.data(),
+                    acc.data());
+          for (int64_t k = 0; k < ntok; ++k) {
+            int64_t own_lo, own_hi;
+            a.Range(pos0 + k, &own_lo, &own_hi);
+            if (std::max(own_lo, lo) >= std::min(own_hi, hi)) continue;
+            const int64_t slot = ((qi + k) * kvh + h) * max_parts + part;
+            float* buf = &partial[slot * stride];
+            std::copy(&m[k * G], &m[k * G] + G, buf);
+            std::copy(&s[k * G], &s[k * G] + G, buf + G);
+            std::copy(&acc[k * G * D], &acc[k * G * D] + G * D, buf + 2 * G);
+            used[slot] = 1;
+          }
         }
       },
       rows.num_real * kvh * max_parts);
