@@ -47,10 +47,13 @@ inline void StoreAct(DType d, void* p, int64_t i, float v) {
 
 // exp(x) for x <= 0 (logits minus their max), branch-free so that loops
 // over it vectorize: 2^(x log2 e) split into 2^n * 2^f with a degree-6
-// polynomial for 2^f on [-0.5, 0.5]; relative error ~2e-7. Below -87 it
-// returns 0 (exp underflows there anyway).
+// polynomial for 2^f on [-0.5, 0.5]; relative error ~2e-7. At or below
+// -87 (exp underflows there anyway), and for NaN, it returns exactly 0.
 __attribute__((always_inline)) inline float FastExp(float x) {
-  x = x < -87.0f ? -87.0f : x;
+  // Masked keys (-inf) and NaN weigh exactly 0; this also keeps the int
+  // conversion below in range.
+  const bool zero = !(x > -87.0f);
+  x = zero ? -87.0f : x;
   const float t = x * 1.44269504088896341f;
   // Round to nearest by the 1.5 * 2^23 trick (|t| < 2^22 here), which
   // vectorizes on any x86 where nearbyint needs SSE4.1.
@@ -65,7 +68,7 @@ __attribute__((always_inline)) inline float FastExp(float x) {
   p = p * f + 1.0f;
   const int32_t e = static_cast<int32_t>(n) + 127;
   const float r = p * BitsFloat(static_cast<uint32_t>(e < 1 ? 0 : e) << 23);
-  return x <= -87.0f ? 0.0f : r;  // masked keys (-inf) weigh exactly 0
+  return zero ? 0.0f : r;
 }
 
 // Branch-free half -> float, so that conversion loops vectorize: the
@@ -291,7 +294,11 @@ class Attender {
     s.q.resize(nv * D);
     s.logits.resize(nv * (n + 2 * c_.block_size));
     s.tile.resize(c_.block_size * D);
-    s.lanes.resize(nv * D * std::max<int64_t>(c_.block_size, g_.x));
+    // Lane accumulators serve only block sizes that are not a multiple of
+    // 8 (values) and fp32 keys (x = 4); other paths accumulate in registers.
+    const bool lanes = c_.block_size % 8 != 0 || c_.block_size > 32 ||
+                       (g_.vllm && g_.x % 8 != 0);
+    if (lanes) s.lanes.resize(nv * D * std::max<int64_t>(c_.block_size, g_.x));
     s.acc.resize(nv * c_.block_size);
     const DType qd = q_.dtype();
     for (int64_t k = 0; k < ntok; ++k) {
@@ -364,14 +371,14 @@ class Attender {
       float m = -std::numeric_limits<float>::infinity();
       for (int64_t j = 0; j < n; ++j) m = l[j] > m ? l[j] : m;
       float sum = 0;
-      for (int64_t j = 0; j < n; ++j) {
-        l[j] = FastExp(l[j] - m);
-        sum += l[j];
-      }
       if (m == -std::numeric_limits<float>::infinity()) {
         // No key in range for this token (a partition before its window).
         for (int64_t j = 0; j < n; ++j) l[j] = 0.0f;
-        sum = 0;
+      } else {
+        for (int64_t j = 0; j < n; ++j) {
+          l[j] = FastExp(l[j] - m);
+          sum += l[j];
+        }
       }
       m_out[g] = m;
       s_out[g] = sum;
@@ -476,9 +483,7 @@ class Attender {
     constexpr int64_t x = 16 / static_cast<int64_t>(sizeof(T));
     const int64_t D = c_.head_size, bs = c_.block_size, G = s.nv;
     const T* __restrict kb = k_ + g_.KeyIndex(block, h, 0, 0);
-    float* __restrict lanes = s.lanes.data();  // [G][bs][x]
     const float* __restrict qs = s.q.data();
-    for (int64_t i = 0; i < G * bs * x; ++i) lanes[i] = 0.0f;
     if constexpr (x % 8 == 0) {
       // Per token, four query heads at a time: accumulators stay in
       // registers across the D/x chunks; one horizontal sum per head.
@@ -504,6 +509,8 @@ class Attender {
       }
       return;
     } else {
+      float* __restrict lanes = s.lanes.data();  // [G][bs][x]
+      for (int64_t i = 0; i < G * bs * x; ++i) lanes[i] = 0.0f;
       float kx[x];
       for (int64_t dx = 0; dx < D / x; ++dx) {
         for (int64_t t = t0; t < t1; ++t) {
@@ -517,13 +524,13 @@ class Attender {
           }
         }
       }
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const float* l = &lanes[(g * bs + t) * x];
-        float sum = 0;
-        for (int64_t i = 0; i < x; ++i) sum += l[i];
-        s.logits[g * n + off + t] = sum;
+      for (int64_t g = 0; g < G; ++g) {
+        for (int64_t t = t0; t < t1; ++t) {
+          const float* l = &lanes[(g * bs + t) * x];
+          float sum = 0;
+          for (int64_t i = 0; i < x; ++i) sum += l[i];
+          s.logits[g * n + off + t] = sum;
+        }
       }
     }
   }
@@ -708,12 +715,12 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   };
   // Query tokens per chunk: a prefill chunk's tokens share K/V reads.
   constexpr int64_t kChunk = 16;
-  thread_local Scratch scratch;
   if (!partitioned) {
     run(
         [&](int64_t item) {
           const int64_t r = item / kvh, h = item % kvh;
           const int64_t qs = rows.query_start[r], qe = rows.query_start[r + 1];
+          Scratch scratch;  // per item: no thread-local state to leak
           std::vector<float> m(kChunk * G), s(kChunk * G), acc(kChunk * G * D);
           for (int64_t qi = qs; qi < qe; qi += kChunk) {
             const int64_t ntok = std::min(kChunk, qe - qi);
@@ -742,6 +749,7 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
         const int64_t part = item % max_parts;
         const int64_t r = item / max_parts / kvh, h = (item / max_parts) % kvh;
         const int64_t qs = rows.query_start[r], qe = rows.query_start[r + 1];
+        Scratch scratch;
         std::vector<float> m(kChunk * G), s(kChunk * G), acc(kChunk * G * D);
         for (int64_t qi = qs; qi < qe; qi += kChunk) {
           const int64_t ntok = std::min(kChunk, qe - qi);
