@@ -402,6 +402,21 @@ class Attender {
     }
   }
 
+  // Query tokens per chunk: a prefill chunk's tokens share K/V reads.
+  static constexpr int64_t kChunk = 16;
+
+  // The chunk of row `r` starting at token qi (the row's tokens end at qe):
+  // its token count, first position, and the union of its tokens' key
+  // ranges.
+  void Chunk(int64_t r, int64_t qi, int64_t qe, int64_t* ntok, int64_t* pos0,
+             int64_t* lo, int64_t* hi) const {
+    *ntok = std::min(kChunk, qe - qi);
+    *pos0 = rows_.seq_lens[r] - (qe - qi);
+    int64_t unused;
+    Range(*pos0, lo, &unused);
+    Range(*pos0 + *ntok - 1, &unused, hi);
+  }
+
   // The key range of a query at `pos`.
   void Range(int64_t pos, int64_t* lo, int64_t* hi) const {
     *hi = pos + 1;
@@ -713,8 +728,7 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
       for (int64_t i = 0; i < n; ++i) fn(i);
     }
   };
-  // Query tokens per chunk: a prefill chunk's tokens share K/V reads.
-  constexpr int64_t kChunk = 16;
+  constexpr int64_t kChunk = Attender<Elem>::kChunk;
   if (!partitioned) {
     run(
         [&](int64_t item) {
@@ -723,11 +737,8 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
           Scratch scratch;  // per item: no thread-local state to leak
           std::vector<float> m(kChunk * G), s(kChunk * G), acc(kChunk * G * D);
           for (int64_t qi = qs; qi < qe; qi += kChunk) {
-            const int64_t ntok = std::min(kChunk, qe - qi);
-            const int64_t pos0 = rows.seq_lens[r] - (qe - qi);
-            int64_t lo, hi, unused_lo, unused_hi;
-            a.Range(pos0, &lo, &unused_hi);
-            a.Range(pos0 + ntok - 1, &unused_lo, &hi);
+            int64_t ntok, pos0, lo, hi;
+            a.Chunk(r, qi, qe, &ntok, &pos0, &lo, &hi);
             a.Partial(scratch, r, h, qi, ntok, pos0, lo, hi, m.data(), s.data(),
                       acc.data());
             for (int64_t k = 0; k < ntok; ++k) {
@@ -752,11 +763,8 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
         Scratch scratch;
         std::vector<float> m(kChunk * G), s(kChunk * G), acc(kChunk * G * D);
         for (int64_t qi = qs; qi < qe; qi += kChunk) {
-          const int64_t ntok = std::min(kChunk, qe - qi);
-          const int64_t pos0 = rows.seq_lens[r] - (qe - qi);
-          int64_t lo, hi, unused_lo, unused_hi;
-          a.Range(pos0, &lo, &unused_hi);
-          a.Range(pos0 + ntok - 1, &unused_lo, &hi);
+          int64_t ntok, pos0, lo, hi;
+          a.Chunk(r, qi, qe, &ntok, &pos0, &lo, &hi);
           lo = std::max(lo, part * P);
           hi = std::min(hi, (part + 1) * P);
           if (lo >= hi) continue;
