@@ -14,19 +14,6 @@ namespace {
 
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 
-int64_t LoadIndex(const Tensor& t, int64_t i) {
-  return DispatchIndex(t.dtype(), [&](auto tag) -> int64_t {
-    return static_cast<int64_t>(t.data<decltype(tag)>()[i]);
-  });
-}
-
-// REQUIRES: v fits t's dtype (checked by the callers' validation).
-void StoreIndex(const Tensor& t, int64_t i, int64_t v) {
-  DispatchIndex(t.dtype(), [&](auto tag) {
-    t.data<decltype(tag)>()[i] = static_cast<decltype(tag)>(v);
-  });
-}
-
 std::string RowName(int64_t i, SeqId id) {
   return absl::StrFormat("rows[%d] (seq %d)", i, id);
 }
@@ -228,6 +215,18 @@ absl::StatusOr<std::unique_ptr<Batch>> Batch::Create(
   return b;
 }
 
+absl::Status Batch::CheckLive() const {
+  for (int64_t i = 0; i < meta_.num_queries; ++i) {
+    if (stale_[i]) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "row %d (seq %d): the sequence was freed or swapped out after the "
+          "batch was created; create a new batch",
+          i, seq_ids_[i]));
+    }
+  }
+  return absl::OkStatus();
+}
+
 void Batch::SyncTableRow(int64_t row, absl::Span<const BlockId> blocks) {
   const int64_t w = table_width();
   const int64_t n = std::min<int64_t>(w, static_cast<int64_t>(blocks.size()));
@@ -270,14 +269,7 @@ absl::Status Batch::Advance(const AdvanceInput& in,
                             absl::Span<const int64_t> first_writable,
                             int64_t num_blocks, FlashInferOutputs* flashinfer) {
   const int64_t nq = meta_.num_queries;
-  for (int64_t i = 0; i < nq; ++i) {
-    if (stale_[i]) {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "row %d (seq %d): the sequence was freed after the batch was "
-          "created; create a new batch",
-          i, seq_ids_[i]));
-    }
-  }
+  if (absl::Status s = CheckLive(); !s.ok()) return s;
   const bool spec = in.spec_token.defined() || in.accepted_num.defined();
   int64_t q_new = 1;
   if (spec) {

@@ -108,6 +108,8 @@ class Batch {
   // The row's sequence was freed: the batch can no longer advance.
   void MarkStale(int64_t row) { stale_[row] = true; }
   bool stale(int64_t row) const { return stale_[row]; }
+  // FAILED_PRECONDITION naming the first stale real row, if any.
+  absl::Status CheckLive() const;
   // Tokens per real row in the decode form (1, or 1 + spec_num).
   int64_t tokens_per_row() const { return q_; }
   int64_t RowOf(SeqId id) const;

@@ -424,10 +424,7 @@ absl::StatusOr<BatchSnapshot> Engine::GetBatch(BatchId id) const {
 void Engine::ReleaseLocked(BatchId id) {
   auto it = batches_.find(id);
   for (SeqId sid : it->second->seq_ids()) {
-    if (Sequence* seq = seqs_.Find(sid); seq != nullptr) {
-      auto& v = seq->batches;
-      v.erase(std::remove(v.begin(), v.end(), id), v.end());
-    }
+    if (Sequence* seq = seqs_.Find(sid); seq != nullptr) seq->LeaveBatch(id);
   }
   batches_.erase(it);
 }
@@ -481,9 +478,7 @@ absl::StatusOr<AdvanceResult> Engine::AdvanceStep(BatchId id,
   const int64_t q = b.tokens_per_row();
   for (size_t i = 0; i < after.size(); ++i) {
     Sequence* seq = seqs_.Find(after[i]);
-    seq->num_tokens = st.seq_lens.dtype() == DType::kInt32
-                          ? st.seq_lens.data<int32_t>()[i]
-                          : st.seq_lens.data<int64_t>()[i];
+    seq->num_tokens = LoadIndex(st.seq_lens, static_cast<int64_t>(i));
     // The row's first token is a real sample; speculative drafts after it
     // are recorded but not cached (they may be rejected).
     const int64_t first = st.input_positions.data<int64_t>()[i * q];
@@ -496,8 +491,7 @@ absl::StatusOr<AdvanceResult> Engine::AdvanceStep(BatchId id,
   if (after.size() != before.size()) {
     for (SeqId sid : before) {
       if (std::find(after.begin(), after.end(), sid) != after.end()) continue;
-      auto& v = seqs_.Find(sid)->batches;
-      v.erase(std::remove(v.begin(), v.end(), id), v.end());
+      seqs_.Find(sid)->LeaveBatch(id);
     }
   }
   result.step = b.step();
@@ -528,14 +522,7 @@ absl::StatusOr<Tensor> Engine::PagedAttention(BatchId id,
   }
   const Batch& b = *it->second;
   const BatchMeta& m = b.meta();
-  for (int64_t r = 0; r < m.num_queries; ++r) {
-    if (b.stale(r)) {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "row %d (seq %d): the sequence was freed or swapped out after the "
-          "batch was created; create a new batch",
-          r, b.seq_ids()[r]));
-    }
-  }
+  if (absl::Status s = b.CheckLive(); !s.ok()) return s;
   const BatchTensors& t = b.tensors();
   AttentionRows rows;
   rows.query_start = IndexValues(t.query_start_loc);
@@ -642,9 +629,7 @@ absl::Status Engine::CheckInvariants() const {
       const int64_t n =
           std::min<int64_t>(w, static_cast<int64_t>(seq->blocks.size()));
       for (int64_t c = 0; c < n; ++c) {
-        const int64_t v = t.dtype() == DType::kInt32
-                              ? t.data<int32_t>()[row * w + c]
-                              : t.data<int64_t>()[row * w + c];
+        const int64_t v = LoadIndex(t, row * w + c);
         if (v != seq->blocks[c]) {
           return absl::InternalError(absl::StrFormat(
               "batch %d row %d: block_tables[%d] = %d, the sequence has %d",

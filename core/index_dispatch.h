@@ -19,6 +19,20 @@ decltype(auto) DispatchIndex(DType dtype, F&& f) {
   return f(int64_t{});
 }
 
+// Element i of an int32 or int64 tensor, widened to int64.
+inline int64_t LoadIndex(const Tensor& t, int64_t i) {
+  return DispatchIndex(t.dtype(), [&](auto tag) -> int64_t {
+    return static_cast<int64_t>(t.data<decltype(tag)>()[i]);
+  });
+}
+
+// Stores v at element i. REQUIRES: v fits the tensor's width.
+inline void StoreIndex(const Tensor& t, int64_t i, int64_t v) {
+  DispatchIndex(t.dtype(), [&](auto tag) {
+    t.data<decltype(tag)>()[i] = static_cast<decltype(tag)>(v);
+  });
+}
+
 // The values of an int32 or int64 tensor, widened to int64.
 // REQUIRES: IsIndexType(t.dtype()) and t is host accessible.
 inline std::vector<int64_t> IndexValues(const Tensor& t) {

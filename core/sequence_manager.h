@@ -20,6 +20,7 @@
 #ifndef KVSTEP_CORE_SEQUENCE_MANAGER_H_
 #define KVSTEP_CORE_SEQUENCE_MANAGER_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -54,6 +55,11 @@ struct Sequence {
   bool swapped = false;
   // Live batches with a row on this sequence (each at most once).
   absl::InlinedVector<BatchId, 2> batches;
+
+  void LeaveBatch(BatchId id) {
+    batches.erase(std::remove(batches.begin(), batches.end(), id),
+                  batches.end());
+  }
 };
 
 struct SequenceRequest {
