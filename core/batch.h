@@ -80,6 +80,9 @@ struct BatchTensors {
 };
 
 struct AdvanceInput {
+  // The number of the step this call takes (1 for a new batch's first), for
+  // exactly-once retries (Engine::AdvanceStep); 0: unchecked.
+  int64_t step = 0;
   Tensor sampled_token_ids;
   Tensor spec_token;    // speculative mode when defined
   Tensor accepted_num;  // speculative mode when defined
@@ -113,6 +116,9 @@ class Batch {
   // Tokens per real row in the decode form (1, or 1 + spec_num).
   int64_t tokens_per_row() const { return q_; }
   int64_t RowOf(SeqId id) const;
+  // The session that created the batch (0: none).
+  SessionId session() const { return session_; }
+  void set_session(SessionId s) { session_ = s; }
 
   // Advances one step (SEMANTICS §2-§5). owned_blocks[i] is the number of
   // blocks row i's sequence owns now, first_writable[i] the first of them it
@@ -147,6 +153,7 @@ class Batch {
   bool decode_form_ = false;
   int64_t q_ = 1;
   int64_t step_ = 0;
+  SessionId session_ = 0;
 };
 
 }  // namespace kvstep

@@ -1,16 +1,29 @@
 #include "core/engine.h"
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <thread>
 #include <utility>
 
 #include "absl/random/random.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/index_dispatch.h"
 
 namespace kvstep {
 namespace {
+
+// Shorter TTLs would lapse between the steps of a healthy scheduler.
+constexpr absl::Duration kMinSessionTtl = absl::Milliseconds(100);
+
+// Same dtype, shape and bytes (or both undefined).
+bool SameTensor(const Tensor& a, const Tensor& b) {
+  if (a.defined() != b.defined()) return false;
+  if (!a.defined()) return true;
+  return a.dtype() == b.dtype() && a.shape() == b.shape() &&
+         std::memcmp(a.raw_data(), b.raw_data(), a.nbytes()) == 0;
+}
 
 std::string NewInstanceId() {
   absl::BitGen gen;
@@ -59,6 +72,16 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
   if (!(options.watermark >= 0 && options.watermark < 1)) {
     return absl::InvalidArgumentError("watermark must be in [0, 1)");
   }
+  if (options.limits.max_sessions < 0) {
+    return absl::InvalidArgumentError("max_sessions must be >= 0");
+  }
+  if (options.max_session_ttl < kMinSessionTtl ||
+      options.default_session_ttl < kMinSessionTtl ||
+      options.default_session_ttl > options.max_session_ttl) {
+    return absl::InvalidArgumentError(
+        "session TTLs must satisfy 100ms <= default_session_ttl <= "
+        "max_session_ttl");
+  }
   CacheConfig host = options.cache;
   host.num_blocks = options.num_host_blocks;
   if (options.num_host_blocks > 0 &&
@@ -95,6 +118,9 @@ Engine::Engine(const EngineOptions& options, std::unique_ptr<KvCache> cache,
               ? options.attention_threads
               : std::max(
                     1, static_cast<int>(std::thread::hardware_concurrency())))),
+      clock_(options.clock),
+      default_session_ttl_(options.default_session_ttl),
+      max_session_ttl_(options.max_session_ttl),
       events_(options.event_log_capacity),
       allocator_(options.cache.num_blocks, options.block_order,
                  [this](KvEvent e) { events_.Append(std::move(e)); }),
@@ -116,8 +142,133 @@ EngineInfo Engine::Info() const {
   info.free_blocks = allocator_.num_available();
   info.num_sequences = seqs_.size();
   info.num_batches = static_cast<int64_t>(batches_.size());
+  info.num_sessions = static_cast<int64_t>(sessions_.size());
+  info.sessions_expired = sessions_expired_;
   info.stats = StatsLocked();
   return info;
+}
+
+absl::StatusOr<SessionInfo> Engine::OpenSession(absl::Duration ttl,
+                                                std::string name) {
+  if (ttl == absl::ZeroDuration()) ttl = default_session_ttl_;
+  if (ttl < kMinSessionTtl || ttl > max_session_ttl_) {
+    return absl::OutOfRangeError(
+        absl::StrFormat("ttl %s is outside [%s, %s]", absl::FormatDuration(ttl),
+                        absl::FormatDuration(kMinSessionTtl),
+                        absl::FormatDuration(max_session_ttl_)));
+  }
+  MutexLock lock(&mu_);
+  if (static_cast<int64_t>(sessions_.size()) >= limits_.max_sessions) {
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("%d open sessions reached max_sessions %d",
+                        sessions_.size(), limits_.max_sessions));
+  }
+  // Random ids: a session id is the only thing that lets a call touch the
+  // session's sequences, so it must not be guessable from another's.
+  absl::BitGen gen;
+  SessionId id = 0;
+  while (id == 0 || sessions_.contains(id)) id = absl::Uniform<uint64_t>(gen);
+  Session& session = sessions_[id];
+  session.name = std::move(name);
+  session.ttl = ttl;
+  session.deadline = Now() + ttl;
+  return SessionInfo{id, ttl};
+}
+
+absl::Status Engine::UseSessionLocked(const Caller& caller) {
+  if (caller.session == 0) return absl::OkStatus();
+  auto it = sessions_.find(caller.session);
+  const absl::Time now = Now();
+  if (it == sessions_.end() || it->second.deadline < now) {
+    return absl::NotFoundError(absl::StrFormat(
+        "session %d is unknown, closed or lapsed (its sequences and batches "
+        "are freed or about to be): open a new session",
+        caller.session));
+  }
+  it->second.deadline = now + it->second.ttl;
+  return absl::OkStatus();
+}
+
+absl::Status Engine::CheckOwner(SessionId owner, const Caller& caller,
+                                absl::string_view what) {
+  if (owner == caller.session) return absl::OkStatus();
+  if (owner == 0) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        what,
+        " was created without a session: only calls without a session "
+        "may use it"));
+  }
+  return absl::PermissionDeniedError(
+      absl::StrCat(what, " belongs to another session"));
+}
+
+absl::StatusOr<Batch*> Engine::FindBatchLocked(BatchId id,
+                                               const Caller& caller) const {
+  auto it = batches_.find(id);
+  if (it == batches_.end()) {
+    return absl::NotFoundError(absl::StrFormat("batch %d does not exist", id));
+  }
+  if (absl::Status s = CheckOwner(it->second->session(), caller,
+                                  absl::StrFormat("batch %d", id));
+      !s.ok()) {
+    return s;
+  }
+  return it->second.get();
+}
+
+void Engine::AdoptSeqLocked(SeqId id, const Caller& caller) {
+  if (caller.session == 0) return;
+  seqs_.Find(id)->session = caller.session;
+  sessions_.at(caller.session).seqs.insert(id);
+}
+
+absl::Status Engine::KeepAlive(SessionId id) {
+  MutexLock lock(&mu_);
+  if (id == 0) return absl::InvalidArgumentError("session_id is missing");
+  return UseSessionLocked(Caller{id});
+}
+
+absl::StatusOr<SessionEnd> Engine::CloseSession(SessionId id) {
+  MutexLock lock(&mu_);
+  if (id == 0) return absl::InvalidArgumentError("session_id is missing");
+  if (absl::Status s = UseSessionLocked(Caller{id}); !s.ok()) return s;
+  return EndSessionLocked(id);
+}
+
+std::vector<SessionEnd> Engine::ExpireSessions() {
+  MutexLock lock(&mu_);
+  const absl::Time now = Now();
+  std::vector<SessionId> lapsed;
+  for (const auto& [id, session] : sessions_) {
+    if (session.deadline < now) lapsed.push_back(id);
+  }
+  std::vector<SessionEnd> ends;
+  for (SessionId id : lapsed) ends.push_back(EndSessionLocked(id));
+  sessions_expired_ += static_cast<int64_t>(ends.size());
+  return ends;
+}
+
+SessionEnd Engine::EndSessionLocked(SessionId id) {
+  auto it = sessions_.find(id);
+  Session session = std::move(it->second);
+  sessions_.erase(it);
+  SessionEnd end;
+  end.id = id;
+  end.name = std::move(session.name);
+  for (BatchId b : session.batches) {
+    if (batches_.contains(b)) ReleaseLocked(b);
+  }
+  end.batches = static_cast<int64_t>(session.batches.size());
+  for (SeqId sid : session.seqs) {
+    std::vector<BatchId> batches;
+    if (!seqs_.Free(sid, &end.blocks_freed, &batches)) continue;
+    ++end.sequences;
+    // Ownership keeps other sessions' batches off these sequences; this is
+    // belt and braces.
+    std::vector<BatchId> stale;
+    MarkStale(batches, sid, &stale);
+  }
+  return end;
 }
 
 BlockStats Engine::StatsLocked() const {
@@ -166,13 +317,25 @@ void Engine::MarkStale(const std::vector<BatchId>& batches, SeqId id,
 }
 
 absl::StatusOr<AllocateResult> Engine::AllocateBlocks(
-    absl::Span<const SequenceRequest> requests) {
+    absl::Span<const SequenceRequest> requests, const Caller& caller) {
   MutexLock lock(&mu_);
+  if (absl::Status s = UseSessionLocked(caller); !s.ok()) return s;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const Sequence* seq = seqs_.Find(requests[i].seq_id);
+    if (seq == nullptr) continue;
+    if (absl::Status s = CheckOwner(
+            seq->session, caller,
+            absl::StrFormat("sequences[%d]: seq %d", i, requests[i].seq_id));
+        !s.ok()) {
+      return s;
+    }
+  }
   std::vector<SequenceGrowth> growth;
   if (absl::Status s = seqs_.Allocate(requests, &growth); !s.ok()) return s;
   AllocateResult result;
   result.sequences.reserve(growth.size());
   for (SequenceGrowth& g : growth) {
+    if (g.created) AdoptSeqLocked(g.seq_id, caller);
     const Sequence* seq = seqs_.Find(g.seq_id);
     // Copy-on-write: the bytes move before anyone can write the new block.
     for (const BlockCopy& c : g.copies) {
@@ -195,15 +358,30 @@ absl::StatusOr<AllocateResult> Engine::AllocateBlocks(
   return result;
 }
 
-FreeResult Engine::FreeSequences(absl::Span<const SeqId> ids) {
+absl::StatusOr<FreeResult> Engine::FreeSequences(absl::Span<const SeqId> ids,
+                                                 const Caller& caller) {
   MutexLock lock(&mu_);
+  if (absl::Status s = UseSessionLocked(caller); !s.ok()) return s;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const Sequence* seq = seqs_.Find(ids[i]);
+    if (seq == nullptr) continue;
+    if (absl::Status s =
+            CheckOwner(seq->session, caller,
+                       absl::StrFormat("seq_ids[%d]: seq %d", i, ids[i]));
+        !s.ok()) {
+      return s;
+    }
+  }
   FreeResult result;
   for (SeqId id : ids) {
     std::vector<BatchId> batches;
+    const Sequence* seq = seqs_.Find(id);
+    const SessionId owner = seq != nullptr ? seq->session : 0;
     if (!seqs_.Free(id, &result.blocks_freed, &batches)) {
       result.unknown.push_back(id);
       continue;
     }
+    if (owner != 0) sessions_.at(owner).seqs.erase(id);
     result.freed.push_back(id);
     MarkStale(batches, id, &result.stale_batches);
   }
@@ -232,8 +410,9 @@ absl::StatusOr<Admission> Engine::CanAllocate(
 }
 
 absl::StatusOr<std::vector<SequenceBlocks>> Engine::ForkSequence(
-    SeqId parent, absl::Span<const SeqId> children) {
+    SeqId parent, absl::Span<const SeqId> children, const Caller& caller) {
   MutexLock lock(&mu_);
+  if (absl::Status s = UseSessionLocked(caller); !s.ok()) return s;
   // Check everything first so that a failure creates no child.
   if (children.empty()) {
     return absl::InvalidArgumentError("child_seq_ids is empty");
@@ -242,6 +421,11 @@ absl::StatusOr<std::vector<SequenceBlocks>> Engine::ForkSequence(
   if (p == nullptr) {
     return absl::NotFoundError(
         absl::StrFormat("parent seq %d does not exist", parent));
+  }
+  if (absl::Status s = CheckOwner(p->session, caller,
+                                  absl::StrFormat("parent seq %d", parent));
+      !s.ok()) {
+    return s;
   }
   if (p->swapped) {
     return absl::FailedPreconditionError(
@@ -264,6 +448,7 @@ absl::StatusOr<std::vector<SequenceBlocks>> Engine::ForkSequence(
   std::vector<SequenceBlocks> out;
   for (SeqId child : children) {
     if (absl::Status s = seqs_.Fork(parent, child); !s.ok()) return s;
+    AdoptSeqLocked(child, caller);
     SequenceBlocks sb;
     sb.seq_id = child;
     sb.block_table = seqs_.Find(child)->blocks;
@@ -273,17 +458,30 @@ absl::StatusOr<std::vector<SequenceBlocks>> Engine::ForkSequence(
   return out;
 }
 
-absl::StatusOr<SwapOutcome> Engine::SwapOut(absl::Span<const SeqId> ids) {
-  return Swap(ids, /*out=*/true);
+absl::StatusOr<SwapOutcome> Engine::SwapOut(absl::Span<const SeqId> ids,
+                                            const Caller& caller) {
+  return Swap(ids, /*out=*/true, caller);
 }
 
-absl::StatusOr<SwapOutcome> Engine::SwapIn(absl::Span<const SeqId> ids) {
-  return Swap(ids, /*out=*/false);
+absl::StatusOr<SwapOutcome> Engine::SwapIn(absl::Span<const SeqId> ids,
+                                           const Caller& caller) {
+  return Swap(ids, /*out=*/false, caller);
 }
 
-absl::StatusOr<SwapOutcome> Engine::Swap(absl::Span<const SeqId> ids,
-                                         bool out) {
+absl::StatusOr<SwapOutcome> Engine::Swap(absl::Span<const SeqId> ids, bool out,
+                                         const Caller& caller) {
   MutexLock lock(&mu_);
+  if (absl::Status s = UseSessionLocked(caller); !s.ok()) return s;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const Sequence* seq = seqs_.Find(ids[i]);
+    if (seq == nullptr) continue;  // SwapOut/SwapIn name it
+    if (absl::Status s =
+            CheckOwner(seq->session, caller,
+                       absl::StrFormat("seq_ids[%d]: seq %d", i, ids[i]));
+        !s.ok()) {
+      return s;
+    }
+  }
   SwapResult r;
   absl::Status s = out ? seqs_.SwapOut(ids, &r) : seqs_.SwapIn(ids, &r);
   if (!s.ok()) return s;
@@ -320,13 +518,21 @@ void Engine::ResetPrefixCache() {
 }
 
 absl::StatusOr<CreateBatchResult> Engine::CreateBatch(
-    const BatchSpec& spec, absl::Span<const BatchId> release,
-    bool want_tensors) {
+    const BatchSpec& spec, absl::Span<const BatchId> release, bool want_tensors,
+    const Caller& caller) {
   MutexLock lock(&mu_);
+  if (absl::Status s = UseSessionLocked(caller); !s.ok()) return s;
   for (size_t i = 0; i < release.size(); ++i) {
-    if (!batches_.contains(release[i])) {
+    auto it = batches_.find(release[i]);
+    if (it == batches_.end()) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "release_batch_ids[%d]: batch %d does not exist", i, release[i]));
+    }
+    if (absl::Status s = CheckOwner(
+            it->second->session(), caller,
+            absl::StrFormat("release_batch_ids[%d]: batch %d", i, release[i]));
+        !s.ok()) {
+      return s;
     }
   }
   const int64_t live_after = static_cast<int64_t>(batches_.size()) + 1 -
@@ -347,6 +553,12 @@ absl::StatusOr<CreateBatchResult> Engine::CreateBatch(
           spec.rows[i].seq_id));
     }
     const BatchRowSpec& r = spec.rows[i];
+    if (absl::Status s =
+            CheckOwner(seq->session, caller,
+                       absl::StrFormat("rows[%d]: seq %d", i, r.seq_id));
+        !s.ok()) {
+      return s;
+    }
     if (seq->swapped) {
       return absl::FailedPreconditionError(absl::StrFormat(
           "rows[%d]: seq %d is swapped out: SwapIn first", i, r.seq_id));
@@ -397,6 +609,10 @@ absl::StatusOr<CreateBatchResult> Engine::CreateBatch(
     // (vLLM v1 registers blocks when they are scheduled).
     seqs_.RecordTokens(seq, r.num_cached_tokens, r.token_ids, seq_len);
   }
+  (*batch)->set_session(caller.session);
+  if (caller.session != 0) {
+    sessions_.at(caller.session).batches.insert(result.batch_id);
+  }
   batches_[result.batch_id] = *std::move(batch);
   return result;
 }
@@ -412,25 +628,44 @@ absl::StatusOr<BatchSnapshot> Engine::Snapshot(const Batch& b) const {
   return snap;
 }
 
-absl::StatusOr<BatchSnapshot> Engine::GetBatch(BatchId id) const {
+absl::StatusOr<BatchSnapshot> Engine::GetBatch(BatchId id,
+                                               const Caller& caller) {
   MutexLock lock(&mu_);
-  auto it = batches_.find(id);
-  if (it == batches_.end()) {
-    return absl::NotFoundError(absl::StrFormat("batch %d does not exist", id));
-  }
-  return Snapshot(*it->second);
+  if (absl::Status s = UseSessionLocked(caller); !s.ok()) return s;
+  absl::StatusOr<Batch*> b = FindBatchLocked(id, caller);
+  if (!b.ok()) return b.status();
+  return Snapshot(**b);
 }
 
 void Engine::ReleaseLocked(BatchId id) {
   auto it = batches_.find(id);
+  if (const SessionId owner = it->second->session(); owner != 0) {
+    // Absent while EndSessionLocked releases the session's batches.
+    if (auto s = sessions_.find(owner); s != sessions_.end()) {
+      s->second.batches.erase(id);
+    }
+  }
+  last_steps_.erase(id);
   for (SeqId sid : it->second->seq_ids()) {
     if (Sequence* seq = seqs_.Find(sid); seq != nullptr) seq->LeaveBatch(id);
   }
   batches_.erase(it);
 }
 
-ReleaseResult Engine::ReleaseBatches(absl::Span<const BatchId> ids) {
+absl::StatusOr<ReleaseResult> Engine::ReleaseBatches(
+    absl::Span<const BatchId> ids, const Caller& caller) {
   MutexLock lock(&mu_);
+  if (absl::Status s = UseSessionLocked(caller); !s.ok()) return s;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    auto it = batches_.find(ids[i]);
+    if (it == batches_.end()) continue;
+    if (absl::Status s =
+            CheckOwner(it->second->session(), caller,
+                       absl::StrFormat("batch_ids[%d]: batch %d", i, ids[i]));
+        !s.ok()) {
+      return s;
+    }
+  }
   ReleaseResult result;
   for (BatchId id : ids) {
     if (batches_.contains(id)) {
@@ -446,13 +681,45 @@ ReleaseResult Engine::ReleaseBatches(absl::Span<const BatchId> ids) {
 absl::StatusOr<AdvanceResult> Engine::AdvanceStep(BatchId id,
                                                   const AdvanceInput& in,
                                                   bool want_tensors,
-                                                  bool flashinfer) {
+                                                  bool flashinfer,
+                                                  const Caller& caller) {
   MutexLock lock(&mu_);
-  auto it = batches_.find(id);
-  if (it == batches_.end()) {
-    return absl::NotFoundError(absl::StrFormat("batch %d does not exist", id));
+  if (absl::Status s = UseSessionLocked(caller); !s.ok()) return s;
+  absl::StatusOr<Batch*> found = FindBatchLocked(id, caller);
+  if (!found.ok()) return found.status();
+  Batch& b = **found;
+  if (in.step < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("step must be >= 0, got %d", in.step));
   }
-  Batch& b = *it->second;
+  if (in.step != 0 && in.step == b.step()) {
+    // A retry of the step just taken: answer it again, never advance twice.
+    auto rec = last_steps_.find(id);
+    if (rec == last_steps_.end() || rec->second.result.step != in.step) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "step %d of batch %d is already done and was not numbered, so it "
+          "cannot be replayed",
+          in.step, id));
+    }
+    const StepRecord& r = rec->second;
+    if (!SameTensor(r.input.sampled_token_ids, in.sampled_token_ids) ||
+        !SameTensor(r.input.spec_token, in.spec_token) ||
+        !SameTensor(r.input.accepted_num, in.accepted_num) ||
+        r.want_tensors != want_tensors || r.flashinfer != flashinfer) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "step %d of batch %d is already done with other inputs or options: "
+          "a retry must repeat the call exactly",
+          in.step, id));
+    }
+    return r.result;
+  }
+  if (in.step != 0 && in.step != b.step() + 1) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "step %d is not the next step of batch %d: it has taken %d steps, so "
+        "the next is %d (%s)",
+        in.step, id, b.step(), b.step() + 1,
+        in.step > b.step() ? "a step was skipped" : "a stale retry"));
+  }
   const std::vector<SeqId> before = b.seq_ids();
   std::vector<int64_t> owned(before.size(), 0);
   std::vector<int64_t> writable(before.size(), 0);
@@ -497,8 +764,17 @@ absl::StatusOr<AdvanceResult> Engine::AdvanceStep(BatchId id,
   result.step = b.step();
   if (want_tensors) {
     absl::StatusOr<BatchSnapshot> snap = Snapshot(b);
+    // Cannot fail for want of memory once the step is done: a failure here
+    // would leave a step taken but reported as failed.
     if (!snap.ok()) return snap.status();
     result.snapshot = *std::move(snap);
+  }
+  if (in.step != 0) {
+    // Snapshot tensors are never written after this, so sharing them with
+    // the record is safe.
+    last_steps_[id] = StepRecord{in, want_tensors, flashinfer, result};
+  } else {
+    last_steps_.erase(id);
   }
   return result;
 }
@@ -512,15 +788,15 @@ absl::Status Engine::AdvanceStepExplicit(AdvanceStepArgs args, StepState* state,
 }
 
 absl::StatusOr<Tensor> Engine::PagedAttention(BatchId id,
-                                              const AttentionRequest& req) {
+                                              const AttentionRequest& req,
+                                              const Caller& caller) {
   // The lock is held for the whole call: attention reads blocks that a
   // concurrent FreeSequences + AllocateBlocks could hand to someone else.
   MutexLock lock(&mu_);
-  auto it = batches_.find(id);
-  if (it == batches_.end()) {
-    return absl::NotFoundError(absl::StrFormat("batch %d does not exist", id));
-  }
-  const Batch& b = *it->second;
+  if (absl::Status s = UseSessionLocked(caller); !s.ok()) return s;
+  absl::StatusOr<Batch*> found = FindBatchLocked(id, caller);
+  if (!found.ok()) return found.status();
+  const Batch& b = **found;
   const BatchMeta& m = b.meta();
   if (absl::Status s = b.CheckLive(); !s.ok()) return s;
   const BatchTensors& t = b.tensors();

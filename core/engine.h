@@ -11,19 +11,29 @@
 //     a step can never compute slots in a block that went back to the pool;
 //   * a rejected call changes nothing.
 //
+// Sessions: a caller may open a session with a time-to-live. Sequences and
+// batches created by its calls belong to it, only its calls may touch them
+// (PERMISSION_DENIED otherwise), each of its calls renews it, and when it
+// closes or lapses (the scheduler died) its batches are released and its
+// sequences freed. Objects created without a session belong to no session
+// and only session-less calls may touch them.
+//
 // Thread-safe: every method may be called from any thread. One mutex guards
 // all state; each call holds it for microseconds (no I/O under the lock).
 #ifndef KVSTEP_CORE_ENGINE_H_
 #define KVSTEP_CORE_ENGINE_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "core/advance_step.h"
@@ -45,6 +55,7 @@ struct EngineLimits {
   int64_t max_sequences = 65536;
   int64_t max_batches = 256;
   int64_t max_cache_bytes = int64_t{16} << 30;
+  int64_t max_sessions = 1024;
 };
 
 struct EngineOptions {
@@ -61,6 +72,30 @@ struct EngineOptions {
   size_t event_log_capacity = 65536;
   // Threads for attention, the calling thread included (0: one per core).
   int attention_threads = 0;
+  // Sessions opened without a TTL get this one; longer ones are refused.
+  absl::Duration default_session_ttl = absl::Seconds(30);
+  absl::Duration max_session_ttl = absl::Hours(24);
+  // The clock session deadlines are kept on (tests substitute a fake).
+  std::function<absl::Time()> clock;  // absl::Now when empty
+};
+
+// Who makes a call: the session it runs in (0: none).
+struct Caller {
+  SessionId session = 0;
+};
+
+struct SessionInfo {
+  SessionId id = 0;
+  absl::Duration ttl;
+};
+
+// What ending a session (closed or lapsed) gave back.
+struct SessionEnd {
+  SessionId id = 0;
+  std::string name;
+  int64_t sequences = 0;
+  int64_t blocks_freed = 0;
+  int64_t batches = 0;
 };
 
 struct AttentionRequest {
@@ -97,6 +132,8 @@ struct EngineInfo {
   int64_t free_blocks = 0;  // available to allocations (free + evictable)
   int64_t num_sequences = 0;
   int64_t num_batches = 0;
+  int64_t num_sessions = 0;
+  int64_t sessions_expired = 0;  // since start
   BlockStats stats;
 };
 
@@ -167,9 +204,22 @@ class Engine {
   const KvCache& cache() const { return *cache_; }
   EngineInfo Info() const;
 
+  // Sessions. A session lapses `ttl` after its last call (OpenSession,
+  // KeepAlive or any call made in it); from then on its calls fail with
+  // NOT_FOUND and the next ExpireSessions() frees what it held.
+  // ttl 0: options.default_session_ttl; at least 100 ms, at most
+  // options.max_session_ttl. RESOURCE_EXHAUSTED past limits.max_sessions.
+  absl::StatusOr<SessionInfo> OpenSession(absl::Duration ttl, std::string name);
+  absl::Status KeepAlive(SessionId id);
+  // Releases the session's batches and frees its sequences.
+  absl::StatusOr<SessionEnd> CloseSession(SessionId id);
+  // Ends every lapsed session; the server calls it periodically.
+  std::vector<SessionEnd> ExpireSessions();
+
   absl::StatusOr<AllocateResult> AllocateBlocks(
-      absl::Span<const SequenceRequest> requests);
-  FreeResult FreeSequences(absl::Span<const SeqId> ids);
+      absl::Span<const SequenceRequest> requests, const Caller& caller = {});
+  absl::StatusOr<FreeResult> FreeSequences(absl::Span<const SeqId> ids,
+                                           const Caller& caller = {});
 
   // Whether AllocateBlocks(requests) could be served now (OK), after other
   // sequences free blocks (LATER: it would leave fewer than the watermark
@@ -182,12 +232,15 @@ class Engine {
   // search); the first write into a shared partial block copies it.
   // All children or none are created; each gets the parent's table.
   absl::StatusOr<std::vector<SequenceBlocks>> ForkSequence(
-      SeqId parent, absl::Span<const SeqId> children);
+      SeqId parent, absl::Span<const SeqId> children,
+      const Caller& caller = {});
 
   // Moves sequences' blocks to the host tier and back (whole-block copies).
   // Batches with a row on a swapped-out sequence become stale.
-  absl::StatusOr<SwapOutcome> SwapOut(absl::Span<const SeqId> ids);
-  absl::StatusOr<SwapOutcome> SwapIn(absl::Span<const SeqId> ids);
+  absl::StatusOr<SwapOutcome> SwapOut(absl::Span<const SeqId> ids,
+                                      const Caller& caller = {});
+  absl::StatusOr<SwapOutcome> SwapIn(absl::Span<const SeqId> ids,
+                                     const Caller& caller = {});
 
   // Forgets every cached block hash (their blocks become free when
   // unreferenced). Emits AllBlocksCleared.
@@ -206,14 +259,22 @@ class Engine {
   // (unknown ids there are INVALID_ARGUMENT, checked first).
   absl::StatusOr<CreateBatchResult> CreateBatch(
       const BatchSpec& spec, absl::Span<const BatchId> release,
-      bool want_tensors);
-  absl::StatusOr<BatchSnapshot> GetBatch(BatchId id) const;
-  ReleaseResult ReleaseBatches(absl::Span<const BatchId> ids);
+      bool want_tensors, const Caller& caller = {});
+  absl::StatusOr<BatchSnapshot> GetBatch(BatchId id, const Caller& caller = {});
+  absl::StatusOr<ReleaseResult> ReleaseBatches(absl::Span<const BatchId> ids,
+                                               const Caller& caller = {});
 
   // Server-held AdvanceStep: advances the batch and keeps its sequences'
   // token counts in step.
+  //
+  // Exactly once: with in.step != 0 the call must name the step it takes
+  // (the batch's step() + 1). A retry of the step just taken, with the same
+  // inputs and options, returns that step's result again without advancing;
+  // any other step number is FAILED_PRECONDITION (a skipped step, an older
+  // one, or a retry with different inputs), and changes nothing.
   absl::StatusOr<AdvanceResult> AdvanceStep(BatchId id, const AdvanceInput& in,
-                                            bool want_tensors, bool flashinfer);
+                                            bool want_tensors, bool flashinfer,
+                                            const Caller& caller = {});
 
   // Explicit AdvanceStep: the op on caller-owned tensors, with block ids
   // checked against this pool. Touches no engine state (needs no lock).
@@ -224,8 +285,8 @@ class Engine {
   // K/V at the batch's slot_mapping (reshape_and_cache), then attends every
   // real row over its context (padding rows get zeros). FAILED_PRECONDITION
   // for a stale batch or a slot in a block another sequence shares.
-  absl::StatusOr<Tensor> PagedAttention(BatchId id,
-                                        const AttentionRequest& req);
+  absl::StatusOr<Tensor> PagedAttention(BatchId id, const AttentionRequest& req,
+                                        const Caller& caller = {});
   // The op with the caller's rows and slots (block ids checked against the
   // pool only, as explicit AdvanceStep).
   absl::StatusOr<Tensor> PagedAttentionExplicit(
@@ -254,7 +315,40 @@ class Engine {
                                       const AttentionRows& rows,
                                       absl::Span<const int64_t> slots)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<SwapOutcome> Swap(absl::Span<const SeqId> ids, bool out);
+  absl::StatusOr<SwapOutcome> Swap(absl::Span<const SeqId> ids, bool out,
+                                   const Caller& caller);
+
+  struct Session {
+    std::string name;
+    absl::Duration ttl;
+    absl::Time deadline;
+    absl::flat_hash_set<SeqId> seqs;
+    absl::flat_hash_set<BatchId> batches;
+  };
+  // What the last numbered AdvanceStep of a batch took and gave, to answer
+  // its retry.
+  struct StepRecord {
+    AdvanceInput input;  // shares the caller's (immutable) tensors
+    bool want_tensors = false;
+    bool flashinfer = false;
+    AdvanceResult result;
+  };
+
+  absl::Time Now() const { return clock_ ? clock_() : absl::Now(); }
+  // OK for no session; NOT_FOUND for an unknown or lapsed one; else renews
+  // it.
+  absl::Status UseSessionLocked(const Caller& caller)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // PERMISSION_DENIED unless the object belongs to the caller's session.
+  static absl::Status CheckOwner(SessionId owner, const Caller& caller,
+                                 absl::string_view what);
+  // Finds the batch and checks that the caller may use it.
+  absl::StatusOr<Batch*> FindBatchLocked(BatchId id, const Caller& caller) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adopts a sequence created by the caller into its session.
+  void AdoptSeqLocked(SeqId id, const Caller& caller)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  SessionEnd EndSessionLocked(SessionId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string instance_id_;
   const EngineLimits limits_;
@@ -263,6 +357,9 @@ class Engine {
   const std::unique_ptr<KvCache> cache_;
   const std::unique_ptr<KvCache> host_cache_;  // null without a host tier
   const std::unique_ptr<ThreadPool> pool_;
+  const std::function<absl::Time()> clock_;
+  const absl::Duration default_session_ttl_;
+  const absl::Duration max_session_ttl_;
   EventLog events_;  // own lock; appended to under mu_
 
   mutable Mutex mu_;
@@ -272,6 +369,9 @@ class Engine {
   absl::flat_hash_map<BatchId, std::unique_ptr<Batch>> batches_
       ABSL_GUARDED_BY(mu_);
   BatchId next_batch_id_ ABSL_GUARDED_BY(mu_) = 1;
+  absl::flat_hash_map<BatchId, StepRecord> last_steps_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
+  int64_t sessions_expired_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace kvstep

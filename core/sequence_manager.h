@@ -36,6 +36,9 @@ namespace kvstep {
 
 using SeqId = uint64_t;
 using BatchId = uint64_t;
+// A client session (0: none). Sequences and batches created in a session
+// belong to it and go when it ends or lapses (Engine::OpenSession).
+using SessionId = uint64_t;
 
 struct Sequence {
   // The block table: device block ids, or host block ids while swapped.
@@ -53,6 +56,8 @@ struct Sequence {
   std::string extra_key;  // adapter id and cache salt, in every block hash
   int64_t prefix_hit_tokens = 0;
   bool swapped = false;
+  // The session that created the sequence; only its calls may touch it.
+  SessionId session = 0;
   // Live batches with a row on this sequence (each at most once).
   absl::InlinedVector<BatchId, 2> batches;
 

@@ -3,9 +3,15 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/clock.h"
 #include "core/index_dispatch.h"
+#include "core/log.h"
 #include "service/convert.h"
 
 namespace kvstep {
@@ -28,79 +34,216 @@ absl::StatusOr<DType> IndexDType(v1::DType wire, DType fallback,
   return d;
 }
 
+// Compares in time independent of where the strings differ, so that the
+// token cannot be guessed byte by byte from response times.
+bool ConstantTimeEqual(absl::string_view a, absl::string_view b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  }
+  return diff == 0;
+}
+
 }  // namespace
 
-grpc::Status KvStepService::GetServerInfo(grpc::ServerContext*,
+grpc::Status KvStepService::Admit(const grpc::ServerContext& ctx,
+                                  Caller* caller) const {
+  const auto& md = ctx.client_metadata();
+  if (!options_.auth_token.empty()) {
+    auto it = md.find("authorization");
+    constexpr absl::string_view kBearer = "Bearer ";
+    const absl::string_view got =
+        it == md.end()
+            ? absl::string_view()
+            : absl::string_view(it->second.data(), it->second.size());
+    if (!absl::StartsWith(got, kBearer) ||
+        !ConstantTimeEqual(got.substr(kBearer.size()), options_.auth_token)) {
+      return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                          "missing or wrong bearer token: send the metadata "
+                          "'authorization: Bearer <token>'");
+    }
+  }
+  auto it = md.find(kSessionMetadataKey);
+  if (it == md.end()) return grpc::Status::OK;
+  const absl::string_view value(it->second.data(), it->second.size());
+  uint64_t id = 0;
+  if (!absl::SimpleAtoi(value, &id) || id == 0) {
+    return Invalid(absl::StrCat("metadata ", kSessionMetadataKey,
+                                " must be a session id (a positive decimal "
+                                "number), got '",
+                                absl::CHexEscape(value.substr(0, 64)), "'"));
+  }
+  caller->session = id;
+  // Renews the session for calls that touch no session-owned object too.
+  return ToGrpcStatus(engine_->KeepAlive(id));
+}
+
+template <typename Body>
+grpc::Status KvStepService::Run(Rpc rpc, const grpc::ServerContext& ctx,
+                                Body&& body) {
+  const absl::Time start = absl::Now();
+  Caller caller;
+  grpc::Status status = Admit(ctx, &caller);
+  if (status.ok()) status = body(caller);
+  if (options_.metrics != nullptr) {
+    options_.metrics->RecordRpc(rpc, status.error_code(), absl::Now() - start);
+  }
+  if (!status.ok()) {
+    // A failed request is the client's business (it gets the message);
+    // only a server-side failure is worth more than a debug line.
+    const bool server_fault =
+        status.error_code() == grpc::StatusCode::INTERNAL ||
+        status.error_code() == grpc::StatusCode::UNKNOWN ||
+        status.error_code() == grpc::StatusCode::DATA_LOSS;
+    if (server_fault) {
+      KVSTEP_LOG(kError, "%s failed (code %d): %s", RpcName(rpc),
+                 static_cast<int>(status.error_code()), status.error_message());
+    } else {
+      KVSTEP_LOG(kDebug, "%s refused (code %d): %s", RpcName(rpc),
+                 static_cast<int>(status.error_code()), status.error_message());
+    }
+  }
+  return status;
+}
+
+grpc::Status KvStepService::OpenSession(grpc::ServerContext* ctx,
+                                        const v1::OpenSessionRequest* req,
+                                        v1::OpenSessionResponse* resp) {
+  return Run(Rpc::kOpenSession, *ctx, [&](const Caller&) -> grpc::Status {
+    if (req->ttl_ms() < 0) {
+      return Invalid(absl::StrCat("ttl_ms must be >= 0, got ", req->ttl_ms()));
+    }
+    if (req->name().size() > 256) {
+      return Invalid("name must be at most 256 bytes");
+    }
+    absl::StatusOr<SessionInfo> s =
+        engine_->OpenSession(absl::Milliseconds(req->ttl_ms()), req->name());
+    if (!s.ok()) return ToGrpcStatus(s.status());
+    KVSTEP_LOG(kInfo, "session %d opened by '%s' (ttl %s)", s->id,
+               absl::CHexEscape(req->name()), absl::FormatDuration(s->ttl));
+    resp->set_session_id(s->id);
+    resp->set_ttl_ms(absl::ToInt64Milliseconds(s->ttl));
+    resp->set_server_instance_id(engine_->instance_id());
+    return grpc::Status::OK;
+  });
+}
+
+grpc::Status KvStepService::KeepAlive(grpc::ServerContext* ctx,
+                                      const v1::KeepAliveRequest* req,
+                                      v1::KeepAliveResponse* resp) {
+  return Run(Rpc::kKeepAlive, *ctx, [&](const Caller&) -> grpc::Status {
+    if (absl::Status s = engine_->KeepAlive(req->session_id()); !s.ok()) {
+      return ToGrpcStatus(s);
+    }
+    resp->set_server_instance_id(engine_->instance_id());
+    return grpc::Status::OK;
+  });
+}
+
+grpc::Status KvStepService::CloseSession(grpc::ServerContext* ctx,
+                                         const v1::CloseSessionRequest* req,
+                                         v1::CloseSessionResponse* resp) {
+  return Run(Rpc::kCloseSession, *ctx, [&](const Caller&) -> grpc::Status {
+    absl::StatusOr<SessionEnd> end = engine_->CloseSession(req->session_id());
+    if (!end.ok()) return ToGrpcStatus(end.status());
+    KVSTEP_LOG(kInfo,
+               "session %d ('%s') closed: freed %d sequences (%d blocks), "
+               "released %d batches",
+               end->id, absl::CHexEscape(end->name), end->sequences,
+               end->blocks_freed, end->batches);
+    resp->set_sequences_freed(end->sequences);
+    resp->set_blocks_freed(end->blocks_freed);
+    resp->set_batches_released(end->batches);
+    resp->set_server_instance_id(engine_->instance_id());
+    return grpc::Status::OK;
+  });
+}
+
+grpc::Status KvStepService::GetServerInfo(grpc::ServerContext* ctx,
                                           const v1::GetServerInfoRequest*,
                                           v1::GetServerInfoResponse* resp) {
-  InfoToProto(engine_->Info(), max_message_bytes_, resp);
-  return grpc::Status::OK;
+  return Run(Rpc::kGetServerInfo, *ctx,
+             [&](const Caller& caller) -> grpc::Status {
+               InfoToProto(engine_->Info(), options_.max_message_bytes, resp);
+               return grpc::Status::OK;
+             });
 }
 
-grpc::Status KvStepService::AllocateBlocks(grpc::ServerContext*,
+grpc::Status KvStepService::AllocateBlocks(grpc::ServerContext* ctx,
                                            const v1::AllocateBlocksRequest* req,
                                            v1::AllocateBlocksResponse* resp) {
-  absl::StatusOr<std::vector<SequenceRequest>> requests =
-      SequenceRequestsFromProto(*req);
-  if (!requests.ok()) return ToGrpcStatus(requests.status());
-  absl::StatusOr<AllocateResult> r = engine_->AllocateBlocks(*requests);
-  if (!r.ok()) return ToGrpcStatus(r.status());
-  const int64_t bs = engine_->cache_config().block_size;
-  for (const SequenceBlocks& s : r->sequences) {
-    SequenceBlocksToProto(s, bs, resp->add_sequences());
-  }
-  resp->set_free_blocks(r->free_blocks);
-  resp->set_server_instance_id(engine_->instance_id());
-  return grpc::Status::OK;
+  return Run(Rpc::kAllocateBlocks, *ctx,
+             [&](const Caller& caller) -> grpc::Status {
+               absl::StatusOr<std::vector<SequenceRequest>> requests =
+                   SequenceRequestsFromProto(*req);
+               if (!requests.ok()) return ToGrpcStatus(requests.status());
+               absl::StatusOr<AllocateResult> r =
+                   engine_->AllocateBlocks(*requests, caller);
+               if (!r.ok()) return ToGrpcStatus(r.status());
+               const int64_t bs = engine_->cache_config().block_size;
+               for (const SequenceBlocks& s : r->sequences) {
+                 SequenceBlocksToProto(s, bs, resp->add_sequences());
+               }
+               resp->set_free_blocks(r->free_blocks);
+               resp->set_server_instance_id(engine_->instance_id());
+               return grpc::Status::OK;
+             });
 }
 
-grpc::Status KvStepService::CanAllocate(grpc::ServerContext*,
+grpc::Status KvStepService::CanAllocate(grpc::ServerContext* ctx,
                                         const v1::AllocateBlocksRequest* req,
                                         v1::CanAllocateResponse* resp) {
-  absl::StatusOr<std::vector<SequenceRequest>> requests =
-      SequenceRequestsFromProto(*req);
-  if (!requests.ok()) return ToGrpcStatus(requests.status());
-  int64_t needed = 0;
-  absl::StatusOr<Admission> a = engine_->CanAllocate(*requests, &needed);
-  if (!a.ok()) return ToGrpcStatus(a.status());
-  switch (*a) {
-    case Admission::kOk:
-      resp->set_admission(v1::CanAllocateResponse::ADMISSION_OK);
-      break;
-    case Admission::kLater:
-      resp->set_admission(v1::CanAllocateResponse::ADMISSION_LATER);
-      break;
-    case Admission::kNever:
-      resp->set_admission(v1::CanAllocateResponse::ADMISSION_NEVER);
-      break;
-  }
-  resp->set_blocks_needed(needed);
-  resp->set_available_blocks(engine_->Stats().available_blocks);
-  resp->set_server_instance_id(engine_->instance_id());
-  return grpc::Status::OK;
+  return Run(
+      Rpc::kCanAllocate, *ctx, [&](const Caller& caller) -> grpc::Status {
+        absl::StatusOr<std::vector<SequenceRequest>> requests =
+            SequenceRequestsFromProto(*req);
+        if (!requests.ok()) return ToGrpcStatus(requests.status());
+        int64_t needed = 0;
+        absl::StatusOr<Admission> a = engine_->CanAllocate(*requests, &needed);
+        if (!a.ok()) return ToGrpcStatus(a.status());
+        switch (*a) {
+          case Admission::kOk:
+            resp->set_admission(v1::CanAllocateResponse::ADMISSION_OK);
+            break;
+          case Admission::kLater:
+            resp->set_admission(v1::CanAllocateResponse::ADMISSION_LATER);
+            break;
+          case Admission::kNever:
+            resp->set_admission(v1::CanAllocateResponse::ADMISSION_NEVER);
+            break;
+        }
+        resp->set_blocks_needed(needed);
+        resp->set_available_blocks(engine_->Stats().available_blocks);
+        resp->set_server_instance_id(engine_->instance_id());
+        return grpc::Status::OK;
+      });
 }
 
-grpc::Status KvStepService::ForkSequence(grpc::ServerContext*,
+grpc::Status KvStepService::ForkSequence(grpc::ServerContext* ctx,
                                          const v1::ForkSequenceRequest* req,
                                          v1::ForkSequenceResponse* resp) {
-  std::vector<SeqId> children(req->child_seq_ids().begin(),
-                              req->child_seq_ids().end());
-  absl::StatusOr<std::vector<SequenceBlocks>> r =
-      engine_->ForkSequence(req->parent_seq_id(), children);
-  if (!r.ok()) return ToGrpcStatus(r.status());
-  const int64_t bs = engine_->cache_config().block_size;
-  for (const SequenceBlocks& s : *r) {
-    SequenceBlocksToProto(s, bs, resp->add_children());
-  }
-  resp->set_server_instance_id(engine_->instance_id());
-  return grpc::Status::OK;
+  return Run(
+      Rpc::kForkSequence, *ctx, [&](const Caller& caller) -> grpc::Status {
+        std::vector<SeqId> children(req->child_seq_ids().begin(),
+                                    req->child_seq_ids().end());
+        absl::StatusOr<std::vector<SequenceBlocks>> r =
+            engine_->ForkSequence(req->parent_seq_id(), children, caller);
+        if (!r.ok()) return ToGrpcStatus(r.status());
+        const int64_t bs = engine_->cache_config().block_size;
+        for (const SequenceBlocks& s : *r) {
+          SequenceBlocksToProto(s, bs, resp->add_children());
+        }
+        resp->set_server_instance_id(engine_->instance_id());
+        return grpc::Status::OK;
+      });
 }
 
 grpc::Status KvStepService::Swap(const v1::SwapRequest& req, bool out,
-                                 v1::SwapResponse* resp) {
+                                 const Caller& caller, v1::SwapResponse* resp) {
   std::vector<SeqId> ids(req.seq_ids().begin(), req.seq_ids().end());
   absl::StatusOr<SwapOutcome> r =
-      out ? engine_->SwapOut(ids) : engine_->SwapIn(ids);
+      out ? engine_->SwapOut(ids, caller) : engine_->SwapIn(ids, caller);
   if (!r.ok()) return ToGrpcStatus(r.status());
   for (const BlockCopy& c : r->copies) BlockCopyToProto(c, resp->add_copies());
   resp->mutable_stale_batch_ids()->Assign(r->stale_batches.begin(),
@@ -111,169 +254,211 @@ grpc::Status KvStepService::Swap(const v1::SwapRequest& req, bool out,
   return grpc::Status::OK;
 }
 
-grpc::Status KvStepService::SwapOut(grpc::ServerContext*,
+grpc::Status KvStepService::SwapOut(grpc::ServerContext* ctx,
                                     const v1::SwapRequest* req,
                                     v1::SwapResponse* resp) {
-  return Swap(*req, /*out=*/true, resp);
+  return Run(Rpc::kSwapOut, *ctx, [&](const Caller& caller) -> grpc::Status {
+    return Swap(*req, /*out=*/true, caller, resp);
+  });
 }
 
-grpc::Status KvStepService::SwapIn(grpc::ServerContext*,
+grpc::Status KvStepService::SwapIn(grpc::ServerContext* ctx,
                                    const v1::SwapRequest* req,
                                    v1::SwapResponse* resp) {
-  return Swap(*req, /*out=*/false, resp);
+  return Run(Rpc::kSwapIn, *ctx, [&](const Caller& caller) -> grpc::Status {
+    return Swap(*req, /*out=*/false, caller, resp);
+  });
 }
 
 grpc::Status KvStepService::ResetPrefixCache(
-    grpc::ServerContext*, const v1::ResetPrefixCacheRequest*,
+    grpc::ServerContext* ctx, const v1::ResetPrefixCacheRequest*,
     v1::ResetPrefixCacheResponse* resp) {
-  engine_->ResetPrefixCache();
-  resp->set_server_instance_id(engine_->instance_id());
-  return grpc::Status::OK;
+  return Run(Rpc::kResetPrefixCache, *ctx,
+             [&](const Caller& caller) -> grpc::Status {
+               engine_->ResetPrefixCache();
+               resp->set_server_instance_id(engine_->instance_id());
+               return grpc::Status::OK;
+             });
 }
 
 grpc::Status KvStepService::SubscribeKvEvents(
     grpc::ServerContext* ctx, const v1::SubscribeKvEventsRequest* req,
     grpc::ServerWriter<v1::KvEventBatch>* writer) {
-  if (req->from_seq_no() < 0) {
-    return Invalid("from_seq_no must be >= 0");
-  }
-  int64_t cursor =
-      req->from_now() ? engine_->next_event_seq_no() : req->from_seq_no();
-  // Wakes at least every 200 ms to notice cancellation and shutdown.
-  while (!ctx->IsCancelled() && !shutting_down_) {
-    int64_t missed = 0;
-    std::vector<KvEvent> events =
-        engine_->ReadEvents(cursor, 512, absl::Milliseconds(200), &missed);
-    if (events.empty() && missed == 0) continue;
-    v1::KvEventBatch batch;
-    batch.set_missed_events(missed);
-    batch.set_server_instance_id(engine_->instance_id());
-    cursor += missed;
-    for (const KvEvent& e : events) {
-      KvEventToProto(e, batch.add_events());
-      cursor = e.seq_no + 1;
-    }
-    if (!writer->Write(batch)) break;  // the client went away
-  }
-  return grpc::Status::OK;
+  return Run(
+      Rpc::kSubscribeKvEvents, *ctx, [&](const Caller& caller) -> grpc::Status {
+        if (req->from_seq_no() < 0) {
+          return Invalid("from_seq_no must be >= 0");
+        }
+        int64_t cursor =
+            req->from_now() ? engine_->next_event_seq_no() : req->from_seq_no();
+        // Wakes at least every 200 ms to notice cancellation and shutdown.
+        while (!ctx->IsCancelled() && !shutting_down_) {
+          int64_t missed = 0;
+          std::vector<KvEvent> events = engine_->ReadEvents(
+              cursor, 512, absl::Milliseconds(200), &missed);
+          if (events.empty() && missed == 0) continue;
+          v1::KvEventBatch batch;
+          batch.set_missed_events(missed);
+          batch.set_server_instance_id(engine_->instance_id());
+          cursor += missed;
+          for (const KvEvent& e : events) {
+            KvEventToProto(e, batch.add_events());
+            cursor = e.seq_no + 1;
+          }
+          if (!writer->Write(batch)) break;  // the client went away
+        }
+        return grpc::Status::OK;
+      });
 }
 
-grpc::Status KvStepService::FreeSequences(grpc::ServerContext*,
+grpc::Status KvStepService::FreeSequences(grpc::ServerContext* ctx,
                                           const v1::FreeSequencesRequest* req,
                                           v1::FreeSequencesResponse* resp) {
-  std::vector<SeqId> ids(req->seq_ids().begin(), req->seq_ids().end());
-  FreeResult r = engine_->FreeSequences(ids);
-  resp->mutable_freed_seq_ids()->Assign(r.freed.begin(), r.freed.end());
-  resp->mutable_unknown_seq_ids()->Assign(r.unknown.begin(), r.unknown.end());
-  resp->set_blocks_freed(r.blocks_freed);
-  resp->set_free_blocks(r.free_blocks);
-  resp->mutable_stale_batch_ids()->Assign(r.stale_batches.begin(),
-                                          r.stale_batches.end());
-  resp->set_server_instance_id(engine_->instance_id());
-  return grpc::Status::OK;
+  return Run(
+      Rpc::kFreeSequences, *ctx, [&](const Caller& caller) -> grpc::Status {
+        std::vector<SeqId> ids(req->seq_ids().begin(), req->seq_ids().end());
+        absl::StatusOr<FreeResult> freed = engine_->FreeSequences(ids, caller);
+        if (!freed.ok()) return ToGrpcStatus(freed.status());
+        const FreeResult& r = *freed;
+        resp->mutable_freed_seq_ids()->Assign(r.freed.begin(), r.freed.end());
+        resp->mutable_unknown_seq_ids()->Assign(r.unknown.begin(),
+                                                r.unknown.end());
+        resp->set_blocks_freed(r.blocks_freed);
+        resp->set_free_blocks(r.free_blocks);
+        resp->mutable_stale_batch_ids()->Assign(r.stale_batches.begin(),
+                                                r.stale_batches.end());
+        resp->set_server_instance_id(engine_->instance_id());
+        return grpc::Status::OK;
+      });
 }
 
-grpc::Status KvStepService::CreateBatch(grpc::ServerContext*,
+grpc::Status KvStepService::CreateBatch(grpc::ServerContext* ctx,
                                         const v1::CreateBatchRequest* req,
                                         v1::CreateBatchResponse* resp) {
-  BatchSpec spec;
-  spec.rows.resize(req->rows_size());
-  for (int i = 0; i < req->rows_size(); ++i) {
-    const v1::BatchRow& r = req->rows(i);
-    BatchRowSpec& row = spec.rows[i];
-    row.seq_id = r.seq_id();
-    row.token_ids.assign(r.token_ids().begin(), r.token_ids().end());
-    row.num_cached_tokens = r.num_cached_tokens();
-    row.prefill = r.prefill();
-    row.skip_sampling = r.skip_sampling();
-  }
-  spec.num_padding_rows = req->num_padding_rows();
-  spec.block_table_width = req->block_table_width();
-  const std::tuple<v1::DType, DType, const char*, DType*> widths[] = {
-      {req->seq_lens_dtype(), DType::kInt32, "seq_lens_dtype",
-       &spec.seq_lens_dtype},
-      {req->block_tables_dtype(), DType::kInt32, "block_tables_dtype",
-       &spec.block_tables_dtype},
-      {req->slot_mapping_dtype(), DType::kInt64, "slot_mapping_dtype",
-       &spec.slot_mapping_dtype}};
-  for (const auto& [wire, fallback, field, out] : widths) {
-    absl::StatusOr<DType> d = IndexDType(wire, fallback, field);
-    if (!d.ok()) return ToGrpcStatus(d.status());
-    *out = *d;
-  }
-  std::vector<BatchId> release(req->release_batch_ids().begin(),
-                               req->release_batch_ids().end());
-  absl::StatusOr<CreateBatchResult> r =
-      engine_->CreateBatch(spec, release, req->return_tensors());
-  if (!r.ok()) return ToGrpcStatus(r.status());
-  resp->set_batch_id(r->batch_id);
-  if (req->return_tensors())
-    SnapshotToProto(r->snapshot, resp->mutable_tensors());
-  resp->mutable_released_batch_ids()->Assign(r->released.begin(),
-                                             r->released.end());
-  resp->set_server_instance_id(engine_->instance_id());
-  return grpc::Status::OK;
+  return Run(
+      Rpc::kCreateBatch, *ctx, [&](const Caller& caller) -> grpc::Status {
+        BatchSpec spec;
+        spec.rows.resize(req->rows_size());
+        for (int i = 0; i < req->rows_size(); ++i) {
+          const v1::BatchRow& r = req->rows(i);
+          BatchRowSpec& row = spec.rows[i];
+          row.seq_id = r.seq_id();
+          row.token_ids.assign(r.token_ids().begin(), r.token_ids().end());
+          row.num_cached_tokens = r.num_cached_tokens();
+          row.prefill = r.prefill();
+          row.skip_sampling = r.skip_sampling();
+        }
+        spec.num_padding_rows = req->num_padding_rows();
+        spec.block_table_width = req->block_table_width();
+        const std::tuple<v1::DType, DType, const char*, DType*> widths[] = {
+            {req->seq_lens_dtype(), DType::kInt32, "seq_lens_dtype",
+             &spec.seq_lens_dtype},
+            {req->block_tables_dtype(), DType::kInt32, "block_tables_dtype",
+             &spec.block_tables_dtype},
+            {req->slot_mapping_dtype(), DType::kInt64, "slot_mapping_dtype",
+             &spec.slot_mapping_dtype}};
+        for (const auto& [wire, fallback, field, out] : widths) {
+          absl::StatusOr<DType> d = IndexDType(wire, fallback, field);
+          if (!d.ok()) return ToGrpcStatus(d.status());
+          *out = *d;
+        }
+        std::vector<BatchId> release(req->release_batch_ids().begin(),
+                                     req->release_batch_ids().end());
+        absl::StatusOr<CreateBatchResult> r =
+            engine_->CreateBatch(spec, release, req->return_tensors(), caller);
+        if (!r.ok()) return ToGrpcStatus(r.status());
+        resp->set_batch_id(r->batch_id);
+        if (req->return_tensors())
+          SnapshotToProto(r->snapshot, resp->mutable_tensors());
+        resp->mutable_released_batch_ids()->Assign(r->released.begin(),
+                                                   r->released.end());
+        resp->set_server_instance_id(engine_->instance_id());
+        return grpc::Status::OK;
+      });
 }
 
-grpc::Status KvStepService::GetBatch(grpc::ServerContext*,
+grpc::Status KvStepService::GetBatch(grpc::ServerContext* ctx,
                                      const v1::GetBatchRequest* req,
                                      v1::GetBatchResponse* resp) {
-  absl::StatusOr<BatchSnapshot> snap = engine_->GetBatch(req->batch_id());
-  if (!snap.ok()) return ToGrpcStatus(snap.status());
-  SnapshotToProto(*snap, resp->mutable_tensors());
-  resp->set_step(snap->step);
-  resp->set_server_instance_id(engine_->instance_id());
-  return grpc::Status::OK;
+  return Run(Rpc::kGetBatch, *ctx, [&](const Caller& caller) -> grpc::Status {
+    absl::StatusOr<BatchSnapshot> snap =
+        engine_->GetBatch(req->batch_id(), caller);
+    if (!snap.ok()) return ToGrpcStatus(snap.status());
+    SnapshotToProto(*snap, resp->mutable_tensors());
+    resp->set_step(snap->step);
+    resp->set_server_instance_id(engine_->instance_id());
+    return grpc::Status::OK;
+  });
 }
 
-grpc::Status KvStepService::ReleaseBatches(grpc::ServerContext*,
+grpc::Status KvStepService::ReleaseBatches(grpc::ServerContext* ctx,
                                            const v1::ReleaseBatchesRequest* req,
                                            v1::ReleaseBatchesResponse* resp) {
-  std::vector<BatchId> ids(req->batch_ids().begin(), req->batch_ids().end());
-  ReleaseResult r = engine_->ReleaseBatches(ids);
-  resp->mutable_released_batch_ids()->Assign(r.released.begin(),
-                                             r.released.end());
-  resp->mutable_unknown_batch_ids()->Assign(r.unknown.begin(), r.unknown.end());
-  resp->set_server_instance_id(engine_->instance_id());
-  return grpc::Status::OK;
+  return Run(Rpc::kReleaseBatches, *ctx,
+             [&](const Caller& caller) -> grpc::Status {
+               std::vector<BatchId> ids(req->batch_ids().begin(),
+                                        req->batch_ids().end());
+               absl::StatusOr<ReleaseResult> released =
+                   engine_->ReleaseBatches(ids, caller);
+               if (!released.ok()) return ToGrpcStatus(released.status());
+               const ReleaseResult& r = *released;
+               resp->mutable_released_batch_ids()->Assign(r.released.begin(),
+                                                          r.released.end());
+               resp->mutable_unknown_batch_ids()->Assign(r.unknown.begin(),
+                                                         r.unknown.end());
+               resp->set_server_instance_id(engine_->instance_id());
+               return grpc::Status::OK;
+             });
 }
 
-grpc::Status KvStepService::AdvanceStep(grpc::ServerContext*,
+grpc::Status KvStepService::AdvanceStep(grpc::ServerContext* ctx,
                                         const v1::AdvanceStepRequest* req,
                                         v1::AdvanceStepResponse* resp) {
-  resp->set_server_instance_id(engine_->instance_id());
-  if (req->has_explicit_state()) {
-    if (req->batch_id() != 0) {
-      return Invalid(
-          "batch_id and explicit_state are exclusive: name a server-held "
-          "batch or send the whole state");
-    }
-    return AdvanceExplicit(*req, resp);
-  }
-  if (req->batch_id() == 0) {
-    return Invalid("batch_id is missing (or send explicit_state)");
-  }
-  AdvanceInput in;
-  const std::tuple<const v1::Tensor&, bool, const char*, Tensor*> tensors[] = {
-      {req->sampled_token_ids(), req->has_sampled_token_ids(),
-       "sampled_token_ids", &in.sampled_token_ids},
-      {req->spec_token(), req->has_spec_token(), "spec_token", &in.spec_token},
-      {req->accepted_num(), req->has_accepted_num(), "accepted_num",
-       &in.accepted_num}};
-  for (const auto& [proto, present, field, out] : tensors) {
-    absl::StatusOr<Tensor> t = TensorFromProto(proto, present, field);
-    if (!t.ok()) return ToGrpcStatus(t.status());
-    *out = *std::move(t);
-  }
-  absl::StatusOr<AdvanceResult> r = engine_->AdvanceStep(
-      req->batch_id(), in, req->return_tensors(), req->flashinfer());
-  if (!r.ok()) return ToGrpcStatus(r.status());
-  resp->set_step(r->step);
-  if (req->return_tensors())
-    SnapshotToProto(r->snapshot, resp->mutable_tensors());
-  if (req->flashinfer())
-    FlashInferToProto(r->flashinfer, resp->mutable_flashinfer());
-  return grpc::Status::OK;
+  return Run(
+      Rpc::kAdvanceStep, *ctx, [&](const Caller& caller) -> grpc::Status {
+        resp->set_server_instance_id(engine_->instance_id());
+        if (req->has_explicit_state()) {
+          if (req->batch_id() != 0) {
+            return Invalid(
+                "batch_id and explicit_state are exclusive: name a server-held "
+                "batch or send the whole state");
+          }
+          if (req->step() != 0) {
+            return Invalid(
+                "step numbers server-held batches; explicit_state carries "
+                "no step");
+          }
+          return AdvanceExplicit(*req, resp);
+        }
+        if (req->batch_id() == 0) {
+          return Invalid("batch_id is missing (or send explicit_state)");
+        }
+        AdvanceInput in;
+        in.step = req->step();
+        const std::tuple<const v1::Tensor&, bool, const char*, Tensor*>
+            tensors[] = {
+                {req->sampled_token_ids(), req->has_sampled_token_ids(),
+                 "sampled_token_ids", &in.sampled_token_ids},
+                {req->spec_token(), req->has_spec_token(), "spec_token",
+                 &in.spec_token},
+                {req->accepted_num(), req->has_accepted_num(), "accepted_num",
+                 &in.accepted_num}};
+        for (const auto& [proto, present, field, out] : tensors) {
+          absl::StatusOr<Tensor> t = TensorFromProto(proto, present, field);
+          if (!t.ok()) return ToGrpcStatus(t.status());
+          *out = *std::move(t);
+        }
+        absl::StatusOr<AdvanceResult> r =
+            engine_->AdvanceStep(req->batch_id(), in, req->return_tensors(),
+                                 req->flashinfer(), caller);
+        if (!r.ok()) return ToGrpcStatus(r.status());
+        resp->set_step(r->step);
+        if (req->return_tensors())
+          SnapshotToProto(r->snapshot, resp->mutable_tensors());
+        if (req->flashinfer())
+          FlashInferToProto(r->flashinfer, resp->mutable_flashinfer());
+        return grpc::Status::OK;
+      });
 }
 
 grpc::Status KvStepService::AdvanceExplicit(const v1::AdvanceStepRequest& req,
@@ -324,105 +509,113 @@ grpc::Status KvStepService::AdvanceExplicit(const v1::AdvanceStepRequest& req,
   return grpc::Status::OK;
 }
 
-grpc::Status KvStepService::PagedAttention(grpc::ServerContext*,
+grpc::Status KvStepService::PagedAttention(grpc::ServerContext* ctx,
                                            const v1::PagedAttentionRequest* req,
                                            v1::PagedAttentionResponse* resp) {
-  resp->set_server_instance_id(engine_->instance_id());
-  AttentionRequest a;
-  a.layer = req->layer();
-  Tensor alibi;
-  const std::tuple<const v1::Tensor&, bool, const char*, Tensor*> tensors[] = {
-      {req->query(), req->has_query(), "query", &a.query},
-      {req->key(), req->has_key(), "key", &a.key},
-      {req->value(), req->has_value(), "value", &a.value},
-      {req->alibi_slopes(), req->has_alibi_slopes(), "alibi_slopes", &alibi}};
-  for (const auto& [proto, present, field, out] : tensors) {
-    absl::StatusOr<Tensor> t = TensorFromProto(proto, present, field);
-    if (!t.ok()) return ToGrpcStatus(t.status());
-    *out = *std::move(t);
-  }
-  if (!a.query.defined() || !a.key.defined() || !a.value.defined()) {
-    return Invalid("query, key and value are required");
-  }
-  if (alibi.defined()) {
-    if (alibi.dtype() != DType::kFloat32 || alibi.rank() != 1) {
-      return Invalid("alibi_slopes must be FLOAT32 [num_heads]");
-    }
-    a.params.alibi_slopes.assign(alibi.data<float>(),
-                                 alibi.data<float>() + alibi.numel());
-  }
-  a.params.scale = req->scale();
-  a.params.sliding_window = req->sliding_window();
-  a.params.k_scale = req->k_scale() == 0 ? 1.0f : req->k_scale();
-  a.params.v_scale = req->v_scale() == 0 ? 1.0f : req->v_scale();
-  switch (req->kernel()) {
-    case v1::PagedAttentionRequest::KERNEL_SINGLE_PASS:
-      a.params.kernel = AttentionParams::Kernel::kSinglePass;
-      break;
-    case v1::PagedAttentionRequest::KERNEL_PARTITIONED:
-      a.params.kernel = AttentionParams::Kernel::kPartitioned;
-      break;
-    case v1::PagedAttentionRequest::KERNEL_AUTO:
-      break;
-    default:
-      return Invalid("kernel is not a known PagedAttentionRequest.Kernel");
-  }
-  const bool explicit_mode = req->has_block_tables() || req->has_seq_lens() ||
-                             req->has_slot_mapping() ||
-                             req->has_query_start_loc();
-  absl::StatusOr<Tensor> out;
-  if (!explicit_mode) {
-    if (req->batch_id() == 0) {
-      return Invalid("batch_id is missing (or send the explicit rows)");
-    }
-    out = engine_->PagedAttention(req->batch_id(), a);
-  } else {
-    if (req->batch_id() != 0) {
-      return Invalid(
-          "batch_id and the explicit rows (block_tables, seq_lens, "
-          "slot_mapping, query_start_loc) are exclusive");
-    }
-    Tensor tables, lens, slots, qsl;
-    const std::tuple<const v1::Tensor&, bool, const char*, Tensor*> rows_in[] =
-        {{req->block_tables(), req->has_block_tables(), "block_tables",
-          &tables},
-         {req->seq_lens(), req->has_seq_lens(), "seq_lens", &lens},
-         {req->slot_mapping(), req->has_slot_mapping(), "slot_mapping", &slots},
-         {req->query_start_loc(), req->has_query_start_loc(), "query_start_loc",
-          &qsl}};
-    for (const auto& [proto, present, field, t] : rows_in) {
-      absl::StatusOr<Tensor> d = TensorFromProto(proto, present, field);
-      if (!d.ok()) return ToGrpcStatus(d.status());
-      if (d->defined() && !IsIndexType(d->dtype())) {
-        return Invalid(absl::StrCat(field, " must be INT32 or INT64"));
-      }
-      *t = *std::move(d);
-    }
-    if (!tables.defined() || tables.rank() != 2 || !lens.defined() ||
-        lens.rank() != 1 || tables.dim(0) != lens.dim(0) || !slots.defined() ||
-        slots.rank() != 1) {
-      return Invalid(
-          "explicit mode needs block_tables [num_rows, W], seq_lens "
-          "[num_rows] and slot_mapping [num_tokens]");
-    }
-    AttentionRows rows;
-    rows.seq_lens = IndexValues(lens);
-    rows.block_tables = IndexValues(tables);
-    rows.width = tables.dim(1);
-    rows.num_real = lens.dim(0);
-    if (qsl.defined()) {
-      if (qsl.rank() != 1 || qsl.dim(0) != lens.dim(0) + 1) {
-        return Invalid("query_start_loc must be [num_rows + 1]");
-      }
-      rows.query_start = IndexValues(qsl);
-    } else {
-      for (int64_t r = 0; r <= lens.dim(0); ++r) rows.query_start.push_back(r);
-    }
-    out = engine_->PagedAttentionExplicit(a, rows, IndexValues(slots));
-  }
-  if (!out.ok()) return ToGrpcStatus(out.status());
-  TensorToProto(*out, resp->mutable_out());
-  return grpc::Status::OK;
+  return Run(
+      Rpc::kPagedAttention, *ctx, [&](const Caller& caller) -> grpc::Status {
+        resp->set_server_instance_id(engine_->instance_id());
+        AttentionRequest a;
+        a.layer = req->layer();
+        Tensor alibi;
+        const std::tuple<const v1::Tensor&, bool, const char*, Tensor*>
+            tensors[] = {{req->query(), req->has_query(), "query", &a.query},
+                         {req->key(), req->has_key(), "key", &a.key},
+                         {req->value(), req->has_value(), "value", &a.value},
+                         {req->alibi_slopes(), req->has_alibi_slopes(),
+                          "alibi_slopes", &alibi}};
+        for (const auto& [proto, present, field, out] : tensors) {
+          absl::StatusOr<Tensor> t = TensorFromProto(proto, present, field);
+          if (!t.ok()) return ToGrpcStatus(t.status());
+          *out = *std::move(t);
+        }
+        if (!a.query.defined() || !a.key.defined() || !a.value.defined()) {
+          return Invalid("query, key and value are required");
+        }
+        if (alibi.defined()) {
+          if (alibi.dtype() != DType::kFloat32 || alibi.rank() != 1) {
+            return Invalid("alibi_slopes must be FLOAT32 [num_heads]");
+          }
+          a.params.alibi_slopes.assign(alibi.data<float>(),
+                                       alibi.data<float>() + alibi.numel());
+        }
+        a.params.scale = req->scale();
+        a.params.sliding_window = req->sliding_window();
+        a.params.k_scale = req->k_scale() == 0 ? 1.0f : req->k_scale();
+        a.params.v_scale = req->v_scale() == 0 ? 1.0f : req->v_scale();
+        switch (req->kernel()) {
+          case v1::PagedAttentionRequest::KERNEL_SINGLE_PASS:
+            a.params.kernel = AttentionParams::Kernel::kSinglePass;
+            break;
+          case v1::PagedAttentionRequest::KERNEL_PARTITIONED:
+            a.params.kernel = AttentionParams::Kernel::kPartitioned;
+            break;
+          case v1::PagedAttentionRequest::KERNEL_AUTO:
+            break;
+          default:
+            return Invalid(
+                "kernel is not a known PagedAttentionRequest.Kernel");
+        }
+        const bool explicit_mode =
+            req->has_block_tables() || req->has_seq_lens() ||
+            req->has_slot_mapping() || req->has_query_start_loc();
+        absl::StatusOr<Tensor> out;
+        if (!explicit_mode) {
+          if (req->batch_id() == 0) {
+            return Invalid("batch_id is missing (or send the explicit rows)");
+          }
+          out = engine_->PagedAttention(req->batch_id(), a, caller);
+        } else {
+          if (req->batch_id() != 0) {
+            return Invalid(
+                "batch_id and the explicit rows (block_tables, seq_lens, "
+                "slot_mapping, query_start_loc) are exclusive");
+          }
+          Tensor tables, lens, slots, qsl;
+          const std::tuple<const v1::Tensor&, bool, const char*, Tensor*>
+              rows_in[] = {
+                  {req->block_tables(), req->has_block_tables(), "block_tables",
+                   &tables},
+                  {req->seq_lens(), req->has_seq_lens(), "seq_lens", &lens},
+                  {req->slot_mapping(), req->has_slot_mapping(), "slot_mapping",
+                   &slots},
+                  {req->query_start_loc(), req->has_query_start_loc(),
+                   "query_start_loc", &qsl}};
+          for (const auto& [proto, present, field, t] : rows_in) {
+            absl::StatusOr<Tensor> d = TensorFromProto(proto, present, field);
+            if (!d.ok()) return ToGrpcStatus(d.status());
+            if (d->defined() && !IsIndexType(d->dtype())) {
+              return Invalid(absl::StrCat(field, " must be INT32 or INT64"));
+            }
+            *t = *std::move(d);
+          }
+          if (!tables.defined() || tables.rank() != 2 || !lens.defined() ||
+              lens.rank() != 1 || tables.dim(0) != lens.dim(0) ||
+              !slots.defined() || slots.rank() != 1) {
+            return Invalid(
+                "explicit mode needs block_tables [num_rows, W], seq_lens "
+                "[num_rows] and slot_mapping [num_tokens]");
+          }
+          AttentionRows rows;
+          rows.seq_lens = IndexValues(lens);
+          rows.block_tables = IndexValues(tables);
+          rows.width = tables.dim(1);
+          rows.num_real = lens.dim(0);
+          if (qsl.defined()) {
+            if (qsl.rank() != 1 || qsl.dim(0) != lens.dim(0) + 1) {
+              return Invalid("query_start_loc must be [num_rows + 1]");
+            }
+            rows.query_start = IndexValues(qsl);
+          } else {
+            for (int64_t r = 0; r <= lens.dim(0); ++r)
+              rows.query_start.push_back(r);
+          }
+          out = engine_->PagedAttentionExplicit(a, rows, IndexValues(slots));
+        }
+        if (!out.ok()) return ToGrpcStatus(out.status());
+        TensorToProto(*out, resp->mutable_out());
+        return grpc::Status::OK;
+      });
 }
 
 }  // namespace kvstep

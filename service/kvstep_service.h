@@ -1,23 +1,39 @@
 // KvStepService: the kvstep.v1.KvStep gRPC service. Thin by design: each
 // method decodes its request (validating every wire field), calls the Engine
 // and encodes the result; all logic and all state live in core/Engine.
+// Every KvStep call first passes Admit(): the bearer token when one is
+// configured, and the session metadata (see the proto's conventions); every
+// call's code and latency go to the Metrics when there are some.
 // Thread-safe (the Engine is).
 #ifndef KVSTEP_SERVICE_KVSTEP_SERVICE_H_
 #define KVSTEP_SERVICE_KVSTEP_SERVICE_H_
 
 #include <atomic>
 #include <cstdint>
+#include <string>
 
 #include "core/engine.h"
 #include "kvstep/v1/kvstep.grpc.pb.h"
+#include "service/metrics.h"
+#include "service/rpc.h"
 
 namespace kvstep {
+
+// The metadata key of the session id (decimal).
+inline constexpr char kSessionMetadataKey[] = "kvstep-session-id";
+
+struct ServiceOptions {
+  int64_t max_message_bytes = int64_t{64} << 20;
+  // Non-empty: every KvStep call must carry `authorization: Bearer <token>`.
+  std::string auth_token;
+  Metrics* metrics = nullptr;  // optional; must outlive the service
+};
 
 class KvStepService final : public v1::KvStep::Service {
  public:
   // `engine` must outlive the service.
-  KvStepService(Engine* engine, int64_t max_message_bytes)
-      : engine_(engine), max_message_bytes_(max_message_bytes) {}
+  KvStepService(Engine* engine, ServiceOptions options)
+      : engine_(engine), options_(std::move(options)) {}
 
   grpc::Status GetServerInfo(grpc::ServerContext* ctx,
                              const v1::GetServerInfoRequest* req,
@@ -59,19 +75,34 @@ class KvStepService final : public v1::KvStep::Service {
   grpc::Status SubscribeKvEvents(
       grpc::ServerContext* ctx, const v1::SubscribeKvEventsRequest* req,
       grpc::ServerWriter<v1::KvEventBatch>* writer) override;
+  grpc::Status OpenSession(grpc::ServerContext* ctx,
+                           const v1::OpenSessionRequest* req,
+                           v1::OpenSessionResponse* resp) override;
+  grpc::Status KeepAlive(grpc::ServerContext* ctx,
+                         const v1::KeepAliveRequest* req,
+                         v1::KeepAliveResponse* resp) override;
+  grpc::Status CloseSession(grpc::ServerContext* ctx,
+                            const v1::CloseSessionRequest* req,
+                            v1::CloseSessionResponse* resp) override;
 
   // Ends event streams (they would otherwise hold shutdown up until its
   // deadline).
   void BeginShutdown() { shutting_down_ = true; }
 
  private:
+  // Authenticates the call and reads (and renews) its session.
+  grpc::Status Admit(const grpc::ServerContext& ctx, Caller* caller) const;
+  // Admits the call, runs `body(caller)`, and records the outcome.
+  template <typename Body>
+  grpc::Status Run(Rpc rpc, const grpc::ServerContext& ctx, Body&& body);
+
   grpc::Status AdvanceExplicit(const v1::AdvanceStepRequest& req,
                                v1::AdvanceStepResponse* resp);
-  grpc::Status Swap(const v1::SwapRequest& req, bool out,
+  grpc::Status Swap(const v1::SwapRequest& req, bool out, const Caller& caller,
                     v1::SwapResponse* resp);
 
   Engine* const engine_;
-  const int64_t max_message_bytes_;
+  const ServiceOptions options_;
   std::atomic<bool> shutting_down_{false};
 };
 

@@ -141,7 +141,7 @@ TEST(Fork, SharesBlocksAndCopiesOnFirstWrite) {
               ElementsAre(dst * kBs + 1));
   EXPECT_TRUE(e->CreateBatch(child, {}, false).ok());
   // Freeing the parent leaves the child's blocks alone.
-  e->FreeSequences(std::vector<SeqId>{1});
+  (void)e->FreeSequences(std::vector<SeqId>{1});
   ASSERT_TRUE(e->CheckInvariants().ok()) << e->CheckInvariants();
   EXPECT_EQ(e->Stats().used_blocks, 2);
 }
@@ -205,10 +205,10 @@ TEST(PrefixCache, FreedBlocksStayCachedUntilEvictedLeastRecentlyUsedFirst) {
     s.rows = {Row(id, p, 0)};
     absl::StatusOr<CreateBatchResult> b = e->CreateBatch(s, {}, false);
     ASSERT_TRUE(b.ok()) << b.status();
-    e->ReleaseBatches(std::vector<BatchId>{b->batch_id});
+    (void)e->ReleaseBatches(std::vector<BatchId>{b->batch_id});
   }
-  e->FreeSequences(std::vector<SeqId>{1});  // older
-  e->FreeSequences(std::vector<SeqId>{2});
+  (void)e->FreeSequences(std::vector<SeqId>{1});  // older
+  (void)e->FreeSequences(std::vector<SeqId>{2});
   BlockStats st = e->Stats();
   EXPECT_EQ(st.evictable_blocks, 4);
   EXPECT_EQ(st.available_blocks, 8);
@@ -456,7 +456,7 @@ TEST(BlockManagerModel, RandomOperationsAgainstAModel) {
       }
       case 2:  // free
         if (live.count(id)) {
-          e->FreeSequences(std::vector<SeqId>{id});
+          (void)e->FreeSequences(std::vector<SeqId>{id});
           live.erase(id);
           swapped.erase(id);
           tables.erase(id);
@@ -577,8 +577,8 @@ TEST(BlockManagerModel, RandomOperationsAgainstAModel) {
   EXPECT_GT(forks, 20);
   EXPECT_GT(advances, 50);
   // Free everything: every block is available again.
-  e->ReleaseBatches(std::vector<BatchId>{batch});
-  e->FreeSequences(std::vector<SeqId>{1, 2, 3, 4, 5, 6});
+  (void)e->ReleaseBatches(std::vector<BatchId>{batch});
+  (void)e->FreeSequences(std::vector<SeqId>{1, 2, 3, 4, 5, 6});
   BlockStats st = e->Stats();
   EXPECT_EQ(st.available_blocks, 48);
   EXPECT_EQ(st.used_blocks, 0);

@@ -207,7 +207,7 @@ TEST(EngineTurn, AdvancingAMixedBatchDropsUnsampledChunks) {
   EXPECT_THAT(Values(m.tensors.state.slot_mapping),
               ElementsAre(95 * 4 + 1, 93 * 4 + 1, -1));
   // Seq 1 left the batch: freeing it no longer makes the batch stale.
-  FreeResult f = e->FreeSequences(std::vector<SeqId>{1});
+  FreeResult f = e->FreeSequences(std::vector<SeqId>{1}).value();
   EXPECT_TRUE(f.stale_batches.empty());
   EXPECT_TRUE(e->CheckInvariants().ok());
 }
@@ -267,7 +267,7 @@ TEST(EngineAdvance, FreedSequenceMakesTheBatchStale) {
   s.rows = {Row(1, 1, 0), Row(2, 1, 0)};
   absl::StatusOr<CreateBatchResult> b = e->CreateBatch(s, {}, true);
   ASSERT_TRUE(b.ok());
-  FreeResult f = e->FreeSequences(std::vector<SeqId>{2, 77});
+  FreeResult f = e->FreeSequences(std::vector<SeqId>{2, 77}).value();
   EXPECT_THAT(f.freed, ElementsAre(2));
   EXPECT_THAT(f.unknown, ElementsAre(77));
   EXPECT_THAT(f.stale_batches, ElementsAre(b->batch_id));
@@ -486,14 +486,16 @@ TEST(EngineRelease, ReleasingForgetsTheBatchNotTheBlocks) {
   s.rows = {Row(1, 1, 0)};
   absl::StatusOr<CreateBatchResult> b = e->CreateBatch(s, {}, false);
   ASSERT_TRUE(b.ok());
-  ReleaseResult r = e->ReleaseBatches(std::vector<BatchId>{b->batch_id, 999});
+  ReleaseResult r =
+      e->ReleaseBatches(std::vector<BatchId>{b->batch_id, 999}).value();
   EXPECT_THAT(r.released, ElementsAre(b->batch_id));
   EXPECT_THAT(r.unknown, ElementsAre(999));
   EXPECT_EQ(e->GetBatch(b->batch_id).status().code(),
             absl::StatusCode::kNotFound);
   EXPECT_EQ(e->Info().free_blocks, 48);
   EXPECT_TRUE(e->CheckInvariants().ok());
-  EXPECT_TRUE(e->FreeSequences(std::vector<SeqId>{1}).stale_batches.empty());
+  EXPECT_TRUE(
+      e->FreeSequences(std::vector<SeqId>{1}).value().stale_batches.empty());
 }
 
 TEST(EngineOptions, BadGeometryIsRefused) {
@@ -598,8 +600,8 @@ TEST(EngineConcurrency, ManyThreadsKeepTheInvariants) {
           ++steps;
         }
         // Freeing before releasing leaves a stale batch for a moment.
-        e->FreeSequences(std::vector<SeqId>{a, b});
-        e->ReleaseBatches(std::vector<BatchId>{batch->batch_id});
+        (void)e->FreeSequences(std::vector<SeqId>{a, b});
+        (void)e->ReleaseBatches(std::vector<BatchId>{batch->batch_id});
       }
     });
   }
