@@ -26,10 +26,20 @@ std::unique_ptr<Client> Client::Connect(const std::string& target,
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
+  std::shared_ptr<grpc::ChannelCredentials> creds =
+      grpc::InsecureChannelCredentials();
+  if (options.use_tls) {
+    grpc::SslCredentialsOptions tls;
+    tls.pem_root_certs = options.tls_root_certs_pem;
+    tls.pem_cert_chain = options.tls_cert_chain_pem;
+    tls.pem_private_key = options.tls_private_key_pem;
+    creds = grpc::SslCredentials(tls);
+    if (!options.tls_server_name.empty()) {
+      args.SetSslTargetNameOverride(options.tls_server_name);
+    }
+  }
   return std::make_unique<Client>(
-      grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(),
-                                args),
-      options);
+      grpc::CreateCustomChannel(target, creds, args), options);
 }
 
 Client::Client(std::shared_ptr<grpc::Channel> channel,
@@ -62,12 +72,25 @@ bool Client::server_restarted() const {
   return restarted_;
 }
 
+void Client::Prepare(grpc::ClientContext* ctx, absl::Duration timeout) const {
+  if (timeout != absl::InfiniteDuration()) {
+    ctx->set_deadline(absl::ToChronoTime(
+        absl::Now() +
+        (timeout == absl::ZeroDuration() ? options_.timeout : timeout)));
+  }
+  if (!options_.auth_token.empty()) {
+    ctx->AddMetadata("authorization",
+                     absl::StrCat("Bearer ", options_.auth_token));
+  }
+  if (const uint64_t session = session_.load(); session != 0) {
+    ctx->AddMetadata("kvstep-session-id", absl::StrCat(session));
+  }
+}
+
 template <typename Resp, typename Call>
 absl::StatusOr<Resp> Client::Invoke(absl::Duration timeout, Call&& call) {
   grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(
-      absl::Now() +
-      (timeout == absl::ZeroDuration() ? options_.timeout : timeout)));
+  Prepare(&ctx, timeout);
   Resp resp;
   grpc::Status s = call(&ctx, &resp);
   if (!s.ok()) return FromGrpc(s);
@@ -208,12 +231,52 @@ absl::StatusOr<v1::ResetPrefixCacheResponse> Client::ResetPrefixCache(
 std::unique_ptr<Client::EventSubscription> Client::SubscribeKvEvents(
     const v1::SubscribeKvEventsRequest& req) {
   auto sub = std::unique_ptr<EventSubscription>(new EventSubscription());
+  Prepare(&sub->ctx_, absl::InfiniteDuration());
   sub->reader_ = stub_->SubscribeKvEvents(&sub->ctx_, req);
   return sub;
 }
 
 absl::Status Client::EventSubscription::Finish() {
   return FromGrpc(reader_->Finish());
+}
+
+absl::StatusOr<v1::OpenSessionResponse> Client::OpenSession(
+    absl::Duration ttl, const std::string& name, absl::Duration timeout) {
+  v1::OpenSessionRequest req;
+  req.set_ttl_ms(absl::ToInt64Milliseconds(ttl));
+  req.set_name(name);
+  absl::StatusOr<v1::OpenSessionResponse> r =
+      Invoke<v1::OpenSessionResponse>(timeout, [&](auto* ctx, auto* resp) {
+        return stub_->OpenSession(ctx, req, resp);
+      });
+  if (r.ok()) session_.store(r->session_id());
+  return r;
+}
+
+absl::Status Client::KeepAlive(absl::Duration timeout) {
+  v1::KeepAliveRequest req;
+  req.set_session_id(session_.load());
+  return Invoke<v1::KeepAliveResponse>(timeout,
+                                       [&](auto* ctx, auto* resp) {
+                                         return stub_->KeepAlive(ctx, req,
+                                                                 resp);
+                                       })
+      .status();
+}
+
+absl::StatusOr<v1::CloseSessionResponse> Client::CloseSession(
+    absl::Duration timeout) {
+  v1::CloseSessionRequest req;
+  req.set_session_id(session_.load());
+  absl::StatusOr<v1::CloseSessionResponse> r =
+      Invoke<v1::CloseSessionResponse>(timeout, [&](auto* ctx, auto* resp) {
+        return stub_->CloseSession(ctx, req, resp);
+      });
+  // Left on success, and when the server no longer knows the session.
+  if (r.ok() || r.status().code() == absl::StatusCode::kNotFound) {
+    session_.store(0);
+  }
+  return r;
 }
 
 absl::StatusOr<bool> Client::IsServing(absl::Duration timeout) {

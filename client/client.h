@@ -5,12 +5,16 @@
 // one passed) and returns absl::StatusOr with the server's canonical code and
 // message. The client remembers the server_instance_id of the last reply: a
 // change means the server restarted and its sequences and batches are gone.
+// Sessions: after OpenSession() every call carries the session id, so the
+// sequences and batches it creates belong to the session and come back to
+// the pool if this process dies (the server frees them after the TTL).
 // Thread-safe: calls may be made concurrently from many threads.
 #ifndef KVSTEP_CLIENT_CLIENT_H_
 #define KVSTEP_CLIENT_CLIENT_H_
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -30,6 +34,16 @@ struct ClientOptions {
   // Deadline of each call unless the call passes its own.
   absl::Duration timeout = absl::Seconds(10);
   int max_message_bytes = 64 << 20;
+  // Sent as `authorization: Bearer <token>` on every KvStep call.
+  std::string auth_token;
+  // TLS: set use_tls; the PEM strings are optional (the system roots when
+  // root_certs_pem is empty; a client certificate for mutual TLS).
+  bool use_tls = false;
+  std::string tls_root_certs_pem;
+  std::string tls_cert_chain_pem;
+  std::string tls_private_key_pem;
+  // Overrides the name the server certificate is checked against.
+  std::string tls_server_name;
 };
 
 class Client {
@@ -105,6 +119,21 @@ class Client {
   std::unique_ptr<EventSubscription> SubscribeKvEvents(
       const v1::SubscribeKvEventsRequest& req);
 
+  // Opens a session (ttl 0: the server's default) and makes every later
+  // call of this client part of it.
+  absl::StatusOr<v1::OpenSessionResponse> OpenSession(
+      absl::Duration ttl = absl::ZeroDuration(), const std::string& name = "",
+      absl::Duration timeout = absl::ZeroDuration());
+  // Renews the session (any call does; this one does nothing else).
+  absl::Status KeepAlive(absl::Duration timeout = absl::ZeroDuration());
+  // Ends the session (its sequences are freed) and leaves it.
+  absl::StatusOr<v1::CloseSessionResponse> CloseSession(
+      absl::Duration timeout = absl::ZeroDuration());
+  // The session calls run in (0: none); set_session_id joins an existing
+  // one, or leaves with 0.
+  uint64_t session_id() const { return session_.load(); }
+  void set_session_id(uint64_t id) { session_.store(id); }
+
   // The standard grpc.health.v1 check of the KvStep service: true when
   // SERVING.
   absl::StatusOr<bool> IsServing(absl::Duration timeout = absl::ZeroDuration());
@@ -118,10 +147,13 @@ class Client {
   template <typename Resp, typename Call>
   absl::StatusOr<Resp> Invoke(absl::Duration timeout, Call&& call);
   void NoteInstance(const std::string& id);
+  // Deadline, token and session metadata of a call.
+  void Prepare(grpc::ClientContext* ctx, absl::Duration timeout) const;
 
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KvStep::Stub> stub_;
   const ClientOptions options_;
+  std::atomic<uint64_t> session_{0};
   mutable Mutex mu_;
   std::string instance_id_ ABSL_GUARDED_BY(mu_);
   bool restarted_ ABSL_GUARDED_BY(mu_) = false;

@@ -86,6 +86,16 @@ absl::Status RunDemo(Client& client, const DemoOptions& o, std::ostream& out) {
       g.block_size(), g.num_layers(), g.num_kv_heads(), g.head_size(),
       info->block_order(), free_before);
 
+  // 0. A session: if this process dies, the server frees what it held.
+  const bool own_session = client.session_id() == 0;
+  if (own_session) {
+    absl::StatusOr<v1::OpenSessionResponse> session =
+        client.OpenSession(absl::Seconds(30), "kvstep-cli demo");
+    if (!session.ok()) return session.status();
+    out << absl::StrFormat("session %d (ttl %d ms)\n", session->session_id(),
+                           session->ttl_ms());
+  }
+
   // 1. Blocks for the prompts plus the first generated token.
   std::vector<uint64_t> ids;
   std::vector<std::pair<uint64_t, int64_t>> want;
@@ -152,10 +162,23 @@ absl::Status RunDemo(Client& client, const DemoOptions& o, std::ostream& out) {
     *adv.mutable_sampled_token_ids() =
         MakeIndexTensor(sampled, {static_cast<int64_t>(sampled.size()), 1});
     adv.set_return_tensors(true);
+    // Exactly once: the step number makes a retry safe.
+    adv.set_step(step);
     t = absl::Now();
     absl::StatusOr<v1::AdvanceStepResponse> r = client.AdvanceStep(adv);
     if (!r.ok()) return r.status();
     advance_us.push_back(Micros(t));
+    if (step == 1) {
+      // As if the reply had been lost: the retry must not advance again.
+      absl::StatusOr<v1::AdvanceStepResponse> again = client.AdvanceStep(adv);
+      if (!again.ok()) return again.status();
+      if (again->step() != r->step() ||
+          again->tensors().input_positions().data() !=
+              r->tensors().input_positions().data()) {
+        return absl::InternalError("a retried step advanced again");
+      }
+      out << "retry of step 1: same reply, not advanced again\n";
+    }
     for (int64_t& len : seq_lens) ++len;
     attn = Attend(client, rng, batch->batch_id(),
                   static_cast<int64_t>(ids.size()), g);
@@ -195,6 +218,9 @@ absl::Status RunDemo(Client& client, const DemoOptions& o, std::ostream& out) {
                          freed->free_blocks(), free_before);
   if (freed->free_blocks() != free_before) {
     return absl::InternalError("blocks leaked: the free count did not return");
+  }
+  if (own_session) {
+    if (absl::Status s = client.CloseSession().status(); !s.ok()) return s;
   }
   return absl::OkStatus();
 }

@@ -1,19 +1,26 @@
 // kvstep-cli: talks to a kvstep server.
 //
-//   kvstep-cli [--target=ADDR] info
-//   kvstep-cli [--target=ADDR] allocate SEQ_ID NUM_TOKENS [SEQ_ID NUM_TOKENS
-//   ...] kvstep-cli [--target=ADDR] free SEQ_ID [SEQ_ID ...] kvstep-cli
-//   [--target=ADDR] health kvstep-cli [--target=ADDR] demo [--steps=N
-//   --num_seqs=N --prompt_len=N]
+//   kvstep-cli [--target=ADDR] info | stats | health | events
+//   kvstep-cli [--target=ADDR] allocate SEQ_ID NUM_TOKENS [SEQ_ID NUM_TOKENS]
+//   kvstep-cli [--target=ADDR] free SEQ_ID [SEQ_ID ...]
+//   kvstep-cli [--target=ADDR] demo [--steps=N --num_seqs=N --prompt_len=N]
+//
+// `health` exits 0 when the server is SERVING (a container health check).
+// TLS and the bearer token: --tls --tls_ca=... --auth_token_file=...
 #include <cstdio>
+#include <fstream>
 #include <iostream>
+#include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/client.h"
 #include "client/demo.h"
@@ -26,12 +33,32 @@ ABSL_FLAG(absl::Duration, wait, absl::Seconds(10),
 ABSL_FLAG(int64_t, num_seqs, 5, "demo: sequences");
 ABSL_FLAG(int64_t, prompt_len, 195, "demo: prompt tokens per sequence");
 ABSL_FLAG(int64_t, steps, 8, "demo: decode steps");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "file holding the server's bearer token");
+ABSL_FLAG(bool, tls, false, "connect with TLS");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM roots to verify the server with (default: the system's)");
+ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate (mutual TLS)");
+ABSL_FLAG(std::string, tls_key, "", "PEM key of --tls_cert");
+ABSL_FLAG(std::string, tls_server_name, "",
+          "name to check the server certificate against");
 
 namespace {
 
 int Fail(const absl::Status& s) {
   std::fprintf(stderr, "kvstep-cli: %s\n", s.ToString().c_str());
   return 1;
+}
+
+// The file's content; trailing whitespace dropped for token files.
+bool ReadFile(const std::string& path, std::string* out, bool strip) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return false;
+  std::ostringstream data;
+  data << in.rdbuf();
+  *out =
+      strip ? std::string(absl::StripAsciiWhitespace(data.str())) : data.str();
+  return true;
 }
 
 int Usage() {
@@ -60,6 +87,19 @@ int main(int argc, char** argv) {
 
   kvstep::ClientOptions opt;
   opt.timeout = absl::GetFlag(FLAGS_timeout);
+  const std::tuple<std::string, std::string*, bool> files[] = {
+      {absl::GetFlag(FLAGS_auth_token_file), &opt.auth_token, true},
+      {absl::GetFlag(FLAGS_tls_ca), &opt.tls_root_certs_pem, false},
+      {absl::GetFlag(FLAGS_tls_cert), &opt.tls_cert_chain_pem, false},
+      {absl::GetFlag(FLAGS_tls_key), &opt.tls_private_key_pem, false}};
+  for (const auto& [path, out, strip] : files) {
+    if (!path.empty() && !ReadFile(path, out, strip)) {
+      return Fail(
+          absl::InvalidArgumentError(absl::StrCat("cannot read '", path, "'")));
+    }
+  }
+  opt.use_tls = absl::GetFlag(FLAGS_tls);
+  opt.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
   auto client = kvstep::Client::Connect(absl::GetFlag(FLAGS_target), opt);
   if (absl::Status s = client->WaitForReady(absl::GetFlag(FLAGS_wait));
       !s.ok()) {

@@ -14,8 +14,10 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "core/log.h"
 #include "service/server.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50151",
@@ -47,12 +49,43 @@ ABSL_FLAG(double, watermark, 0.01,
           "CanAllocate answers LATER below this fraction of free blocks");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(5),
           "time in-flight calls get to finish on SIGTERM");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate chain: serve TLS (with --tls_key)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle: require client certificates signed by it (mTLS)");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "file holding a bearer token that every KvStep call must send as "
+          "'authorization: Bearer <token>' (a file, so that the token is not "
+          "in the process list)");
+ABSL_FLAG(std::string, socket_mode, "0600",
+          "permission bits (octal) of the unix socket file");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "host:port of the Prometheus /metrics endpoint (empty: none)");
+ABSL_FLAG(absl::Duration, session_ttl, absl::Seconds(30),
+          "TTL of sessions opened without one");
+ABSL_FLAG(absl::Duration, max_session_ttl, absl::Hours(24),
+          "longest TTL a session may ask for");
+ABSL_FLAG(int64_t, max_sessions, 1024, "open sessions");
+ABSL_FLAG(std::string, log_level, "info", "error, warning, info or debug");
 
 namespace {
 
 int Fail(const std::string& msg) {
-  std::fprintf(stderr, "kvstep-server: %s\n", msg.c_str());
+  KVSTEP_LOG(kError, "kvstep-server: %s", msg);
   return 2;
+}
+
+// The token file's content without surrounding whitespace (a trailing
+// newline is what editors and `kubectl create secret` leave).
+bool ReadToken(const std::string& path, std::string* token) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) return false;
+  char buf[4096];
+  const size_t n = std::fread(buf, 1, sizeof(buf), f);
+  std::fclose(f);
+  *token = std::string(absl::StripAsciiWhitespace(absl::string_view(buf, n)));
+  return true;
 }
 
 }  // namespace
@@ -62,6 +95,12 @@ int main(int argc, char** argv) {
       "Serves the kvstep.v1.KvStep gRPC API: KV-cache blocks and per-step "
       "batch state for an LLM model server.");
   absl::ParseCommandLine(argc, argv);
+  kvstep::LogLevel level;
+  if (!kvstep::ParseLogLevel(absl::GetFlag(FLAGS_log_level), &level)) {
+    return Fail(absl::StrCat("--log_level: unknown level '",
+                             absl::GetFlag(FLAGS_log_level), "'"));
+  }
+  kvstep::SetLogLevel(level);
 
   // Block the signals in every thread (gRPC's included) and take them in one
   // thread with sigwait, so shutdown runs outside a signal handler.
@@ -107,26 +146,62 @@ int main(int argc, char** argv) {
   opt.engine.num_host_blocks = absl::GetFlag(FLAGS_num_host_blocks);
   opt.engine.watermark = absl::GetFlag(FLAGS_watermark);
   opt.engine.attention_threads = absl::GetFlag(FLAGS_attention_threads);
+  opt.engine.default_session_ttl = absl::GetFlag(FLAGS_session_ttl);
+  opt.engine.max_session_ttl = absl::GetFlag(FLAGS_max_session_ttl);
+  l.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  opt.tls.cert_file = absl::GetFlag(FLAGS_tls_cert);
+  opt.tls.key_file = absl::GetFlag(FLAGS_tls_key);
+  opt.tls.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
+  opt.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  if (const std::string path = absl::GetFlag(FLAGS_auth_token_file);
+      !path.empty()) {
+    if (!ReadToken(path, &opt.auth_token)) {
+      return Fail(absl::StrCat("--auth_token_file: cannot read '", path, "'"));
+    }
+    if (opt.auth_token.size() < 16) {
+      return Fail("--auth_token_file: the token must be at least 16 bytes");
+    }
+  }
+  const std::string mode_text = absl::GetFlag(FLAGS_socket_mode);
+  int mode = 0;
+  for (char ch : mode_text) {
+    if (ch < '0' || ch > '7' || mode > 0777) {
+      mode = -1;
+      break;
+    }
+    mode = mode * 8 + (ch - '0');
+  }
+  if (mode_text.empty() || mode < 0 || mode > 0777) {
+    return Fail("--socket_mode must be octal permission bits, e.g. 0660");
+  }
+  opt.socket_mode = mode;
 
   const absl::Time t0 = absl::Now();
   absl::StatusOr<std::unique_ptr<kvstep::Server>> server =
       kvstep::Server::Start(opt);
   if (!server.ok()) return Fail(server.status().ToString());
-  std::fprintf(stderr,
-               "kvstep-server %s listening on %s (instance %s)\n"
-               "  pool: %s, %.1f MiB, ready in %.0f ms\n",
-               KVSTEP_VERSION, (*server)->address().c_str(),
-               (*server)->engine()->instance_id().c_str(),
-               c.DebugString().c_str(),
-               static_cast<double>(c.total_bytes()) / (1 << 20),
-               absl::ToDoubleMilliseconds(absl::Now() - t0));
+  KVSTEP_LOG(kInfo, "kvstep-server %s listening on %s (instance %s, %s%s)",
+             KVSTEP_VERSION, (*server)->address(),
+             (*server)->engine()->instance_id(),
+             opt.tls.cert_file.empty()
+                 ? "plaintext"
+                 : (opt.tls.client_ca_file.empty() ? "TLS" : "mutual TLS"),
+             opt.auth_token.empty() ? "" : ", bearer token");
+  KVSTEP_LOG(kInfo, "pool: %s, %.1f MiB, ready in %.0f ms", c.DebugString(),
+             static_cast<double>(c.total_bytes()) / (1 << 20),
+             absl::ToDoubleMilliseconds(absl::Now() - t0));
+  if ((*server)->metrics_port() != 0) {
+    KVSTEP_LOG(kInfo, "metrics on %s (port %d)", opt.metrics_listen,
+               (*server)->metrics_port());
+  }
 
   int sig = 0;
   sigwait(&signals, &sig);
-  std::fprintf(stderr, "kvstep-server: %s received, shutting down\n",
-               sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  KVSTEP_LOG(kInfo, "%s received: NOT_SERVING, draining for up to %s",
+             sig == SIGTERM ? "SIGTERM" : "SIGINT",
+             absl::FormatDuration(absl::GetFlag(FLAGS_shutdown_grace)));
   (*server)->Shutdown(absl::GetFlag(FLAGS_shutdown_grace));
   (*server)->Wait();
-  std::fprintf(stderr, "kvstep-server: stopped\n");
+  KVSTEP_LOG(kInfo, "stopped");
   return 0;
 }
