@@ -259,15 +259,18 @@ SessionEnd Engine::EndSessionLocked(SessionId id) {
     if (batches_.contains(b)) ReleaseLocked(b);
   }
   end.batches = static_cast<int64_t>(session.batches.size());
+  const int64_t available_before = allocator_.num_available();
   for (SeqId sid : session.seqs) {
     std::vector<BatchId> batches;
-    if (!seqs_.Free(sid, &end.blocks_freed, &batches)) continue;
+    int64_t references = 0;
+    if (!seqs_.Free(sid, &references, &batches)) continue;
     ++end.sequences;
     // Ownership keeps other sessions' batches off these sequences; this is
     // belt and braces.
     std::vector<BatchId> stale;
     MarkStale(batches, sid, &stale);
   }
+  end.blocks_freed = allocator_.num_available() - available_before;
   return end;
 }
 

@@ -94,6 +94,8 @@ struct SessionEnd {
   SessionId id = 0;
   std::string name;
   int64_t sequences = 0;
+  // Blocks back in the pool (a block shared with a sequence outside the
+  // session stays with it).
   int64_t blocks_freed = 0;
   int64_t batches = 0;
 };
