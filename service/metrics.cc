@@ -118,7 +118,7 @@ class EngineCollector : public prometheus::Collectable {
     out.push_back(Family("kvstep_info", "Server version and instance id",
                          MetricType::Gauge));
     Add(&out.back(), 1,
-        {{"version", info.version}, {"instance_id", info.instance_id}});
+        {{"instance_id", info.instance_id}, {"version", info.version}});
     return out;
   }
 
