@@ -1,5 +1,6 @@
 #include "client/client.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -26,6 +27,12 @@ std::unique_ptr<Client> Client::Connect(const std::string& target,
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
+  const int backoff_ms = static_cast<int>(std::clamp<int64_t>(
+      absl::ToInt64Milliseconds(options.max_reconnect_backoff), 100, 120000));
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, backoff_ms);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS,
+              std::min(backoff_ms, 1000));
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, std::min(backoff_ms, 1000));
   std::shared_ptr<grpc::ChannelCredentials> creds =
       grpc::InsecureChannelCredentials();
   if (options.use_tls) {
@@ -93,6 +100,12 @@ absl::StatusOr<Resp> Client::Invoke(absl::Duration timeout, Call&& call) {
   Prepare(&ctx, timeout);
   Resp resp;
   grpc::Status s = call(&ctx, &resp);
+  // Every reply, errors included, names the server instance in its
+  // trailing metadata (a session error after a restart says so).
+  const auto& trailers = ctx.GetServerTrailingMetadata();
+  if (auto it = trailers.find("kvstep-instance-id"); it != trailers.end()) {
+    NoteInstance(std::string(it->second.data(), it->second.size()));
+  }
   if (!s.ok()) return FromGrpc(s);
   NoteInstance(*InstanceOf(resp));
   return resp;

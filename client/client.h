@@ -44,6 +44,9 @@ struct ClientOptions {
   std::string tls_private_key_pem;
   // Overrides the name the server certificate is checked against.
   std::string tls_server_name;
+  // Longest wait between reconnection attempts after the server went away
+  // (gRPC's default is 2 minutes; a restarted sidecar is back in a second).
+  absl::Duration max_reconnect_backoff = absl::Seconds(1);
 };
 
 class Client {

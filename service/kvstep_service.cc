@@ -47,7 +47,7 @@ bool ConstantTimeEqual(absl::string_view a, absl::string_view b) {
 
 }  // namespace
 
-grpc::Status KvStepService::Admit(const grpc::ServerContext& ctx,
+grpc::Status KvStepService::Admit(Rpc rpc, const grpc::ServerContext& ctx,
                                   Caller* caller) const {
   const auto& md = ctx.client_metadata();
   if (!options_.auth_token.empty()) {
@@ -65,7 +65,7 @@ grpc::Status KvStepService::Admit(const grpc::ServerContext& ctx,
     }
   }
   auto it = md.find(kSessionMetadataKey);
-  if (it == md.end()) return grpc::Status::OK;
+  if (it == md.end() || rpc == Rpc::kGetServerInfo) return grpc::Status::OK;
   const absl::string_view value(it->second.data(), it->second.size());
   uint64_t id = 0;
   if (!absl::SimpleAtoi(value, &id) || id == 0) {
@@ -80,12 +80,13 @@ grpc::Status KvStepService::Admit(const grpc::ServerContext& ctx,
 }
 
 template <typename Body>
-grpc::Status KvStepService::Run(Rpc rpc, const grpc::ServerContext& ctx,
+grpc::Status KvStepService::Run(Rpc rpc, grpc::ServerContext* ctx,
                                 Body&& body) {
   const absl::Time start = absl::Now();
   Caller caller;
-  grpc::Status status = Admit(ctx, &caller);
+  grpc::Status status = Admit(rpc, *ctx, &caller);
   if (status.ok()) status = body(caller);
+  ctx->AddTrailingMetadata(kInstanceMetadataKey, engine_->instance_id());
   if (options_.metrics != nullptr) {
     options_.metrics->RecordRpc(rpc, status.error_code(), absl::Now() - start);
   }
@@ -110,7 +111,7 @@ grpc::Status KvStepService::Run(Rpc rpc, const grpc::ServerContext& ctx,
 grpc::Status KvStepService::OpenSession(grpc::ServerContext* ctx,
                                         const v1::OpenSessionRequest* req,
                                         v1::OpenSessionResponse* resp) {
-  return Run(Rpc::kOpenSession, *ctx, [&](const Caller&) -> grpc::Status {
+  return Run(Rpc::kOpenSession, ctx, [&](const Caller&) -> grpc::Status {
     if (req->ttl_ms() < 0) {
       return Invalid(absl::StrCat("ttl_ms must be >= 0, got ", req->ttl_ms()));
     }
@@ -132,7 +133,7 @@ grpc::Status KvStepService::OpenSession(grpc::ServerContext* ctx,
 grpc::Status KvStepService::KeepAlive(grpc::ServerContext* ctx,
                                       const v1::KeepAliveRequest* req,
                                       v1::KeepAliveResponse* resp) {
-  return Run(Rpc::kKeepAlive, *ctx, [&](const Caller&) -> grpc::Status {
+  return Run(Rpc::kKeepAlive, ctx, [&](const Caller&) -> grpc::Status {
     if (absl::Status s = engine_->KeepAlive(req->session_id()); !s.ok()) {
       return ToGrpcStatus(s);
     }
@@ -144,7 +145,7 @@ grpc::Status KvStepService::KeepAlive(grpc::ServerContext* ctx,
 grpc::Status KvStepService::CloseSession(grpc::ServerContext* ctx,
                                          const v1::CloseSessionRequest* req,
                                          v1::CloseSessionResponse* resp) {
-  return Run(Rpc::kCloseSession, *ctx, [&](const Caller&) -> grpc::Status {
+  return Run(Rpc::kCloseSession, ctx, [&](const Caller&) -> grpc::Status {
     absl::StatusOr<SessionEnd> end = engine_->CloseSession(req->session_id());
     if (!end.ok()) return ToGrpcStatus(end.status());
     KVSTEP_LOG(kInfo,
@@ -163,7 +164,7 @@ grpc::Status KvStepService::CloseSession(grpc::ServerContext* ctx,
 grpc::Status KvStepService::GetServerInfo(grpc::ServerContext* ctx,
                                           const v1::GetServerInfoRequest*,
                                           v1::GetServerInfoResponse* resp) {
-  return Run(Rpc::kGetServerInfo, *ctx,
+  return Run(Rpc::kGetServerInfo, ctx,
              [&](const Caller& caller) -> grpc::Status {
                InfoToProto(engine_->Info(), options_.max_message_bytes, resp);
                return grpc::Status::OK;
@@ -173,7 +174,7 @@ grpc::Status KvStepService::GetServerInfo(grpc::ServerContext* ctx,
 grpc::Status KvStepService::AllocateBlocks(grpc::ServerContext* ctx,
                                            const v1::AllocateBlocksRequest* req,
                                            v1::AllocateBlocksResponse* resp) {
-  return Run(Rpc::kAllocateBlocks, *ctx,
+  return Run(Rpc::kAllocateBlocks, ctx,
              [&](const Caller& caller) -> grpc::Status {
                absl::StatusOr<std::vector<SequenceRequest>> requests =
                    SequenceRequestsFromProto(*req);
@@ -194,37 +195,36 @@ grpc::Status KvStepService::AllocateBlocks(grpc::ServerContext* ctx,
 grpc::Status KvStepService::CanAllocate(grpc::ServerContext* ctx,
                                         const v1::AllocateBlocksRequest* req,
                                         v1::CanAllocateResponse* resp) {
-  return Run(
-      Rpc::kCanAllocate, *ctx, [&](const Caller& caller) -> grpc::Status {
-        absl::StatusOr<std::vector<SequenceRequest>> requests =
-            SequenceRequestsFromProto(*req);
-        if (!requests.ok()) return ToGrpcStatus(requests.status());
-        int64_t needed = 0;
-        absl::StatusOr<Admission> a = engine_->CanAllocate(*requests, &needed);
-        if (!a.ok()) return ToGrpcStatus(a.status());
-        switch (*a) {
-          case Admission::kOk:
-            resp->set_admission(v1::CanAllocateResponse::ADMISSION_OK);
-            break;
-          case Admission::kLater:
-            resp->set_admission(v1::CanAllocateResponse::ADMISSION_LATER);
-            break;
-          case Admission::kNever:
-            resp->set_admission(v1::CanAllocateResponse::ADMISSION_NEVER);
-            break;
-        }
-        resp->set_blocks_needed(needed);
-        resp->set_available_blocks(engine_->Stats().available_blocks);
-        resp->set_server_instance_id(engine_->instance_id());
-        return grpc::Status::OK;
-      });
+  return Run(Rpc::kCanAllocate, ctx, [&](const Caller& caller) -> grpc::Status {
+    absl::StatusOr<std::vector<SequenceRequest>> requests =
+        SequenceRequestsFromProto(*req);
+    if (!requests.ok()) return ToGrpcStatus(requests.status());
+    int64_t needed = 0;
+    absl::StatusOr<Admission> a = engine_->CanAllocate(*requests, &needed);
+    if (!a.ok()) return ToGrpcStatus(a.status());
+    switch (*a) {
+      case Admission::kOk:
+        resp->set_admission(v1::CanAllocateResponse::ADMISSION_OK);
+        break;
+      case Admission::kLater:
+        resp->set_admission(v1::CanAllocateResponse::ADMISSION_LATER);
+        break;
+      case Admission::kNever:
+        resp->set_admission(v1::CanAllocateResponse::ADMISSION_NEVER);
+        break;
+    }
+    resp->set_blocks_needed(needed);
+    resp->set_available_blocks(engine_->Stats().available_blocks);
+    resp->set_server_instance_id(engine_->instance_id());
+    return grpc::Status::OK;
+  });
 }
 
 grpc::Status KvStepService::ForkSequence(grpc::ServerContext* ctx,
                                          const v1::ForkSequenceRequest* req,
                                          v1::ForkSequenceResponse* resp) {
   return Run(
-      Rpc::kForkSequence, *ctx, [&](const Caller& caller) -> grpc::Status {
+      Rpc::kForkSequence, ctx, [&](const Caller& caller) -> grpc::Status {
         std::vector<SeqId> children(req->child_seq_ids().begin(),
                                     req->child_seq_ids().end());
         absl::StatusOr<std::vector<SequenceBlocks>> r =
@@ -257,7 +257,7 @@ grpc::Status KvStepService::Swap(const v1::SwapRequest& req, bool out,
 grpc::Status KvStepService::SwapOut(grpc::ServerContext* ctx,
                                     const v1::SwapRequest* req,
                                     v1::SwapResponse* resp) {
-  return Run(Rpc::kSwapOut, *ctx, [&](const Caller& caller) -> grpc::Status {
+  return Run(Rpc::kSwapOut, ctx, [&](const Caller& caller) -> grpc::Status {
     return Swap(*req, /*out=*/true, caller, resp);
   });
 }
@@ -265,7 +265,7 @@ grpc::Status KvStepService::SwapOut(grpc::ServerContext* ctx,
 grpc::Status KvStepService::SwapIn(grpc::ServerContext* ctx,
                                    const v1::SwapRequest* req,
                                    v1::SwapResponse* resp) {
-  return Run(Rpc::kSwapIn, *ctx, [&](const Caller& caller) -> grpc::Status {
+  return Run(Rpc::kSwapIn, ctx, [&](const Caller& caller) -> grpc::Status {
     return Swap(*req, /*out=*/false, caller, resp);
   });
 }
@@ -273,7 +273,7 @@ grpc::Status KvStepService::SwapIn(grpc::ServerContext* ctx,
 grpc::Status KvStepService::ResetPrefixCache(
     grpc::ServerContext* ctx, const v1::ResetPrefixCacheRequest*,
     v1::ResetPrefixCacheResponse* resp) {
-  return Run(Rpc::kResetPrefixCache, *ctx,
+  return Run(Rpc::kResetPrefixCache, ctx,
              [&](const Caller& caller) -> grpc::Status {
                engine_->ResetPrefixCache();
                resp->set_server_instance_id(engine_->instance_id());
@@ -285,7 +285,7 @@ grpc::Status KvStepService::SubscribeKvEvents(
     grpc::ServerContext* ctx, const v1::SubscribeKvEventsRequest* req,
     grpc::ServerWriter<v1::KvEventBatch>* writer) {
   return Run(
-      Rpc::kSubscribeKvEvents, *ctx, [&](const Caller& caller) -> grpc::Status {
+      Rpc::kSubscribeKvEvents, ctx, [&](const Caller& caller) -> grpc::Status {
         if (req->from_seq_no() < 0) {
           return Invalid("from_seq_no must be >= 0");
         }
@@ -315,7 +315,7 @@ grpc::Status KvStepService::FreeSequences(grpc::ServerContext* ctx,
                                           const v1::FreeSequencesRequest* req,
                                           v1::FreeSequencesResponse* resp) {
   return Run(
-      Rpc::kFreeSequences, *ctx, [&](const Caller& caller) -> grpc::Status {
+      Rpc::kFreeSequences, ctx, [&](const Caller& caller) -> grpc::Status {
         std::vector<SeqId> ids(req->seq_ids().begin(), req->seq_ids().end());
         absl::StatusOr<FreeResult> freed = engine_->FreeSequences(ids, caller);
         if (!freed.ok()) return ToGrpcStatus(freed.status());
@@ -335,52 +335,51 @@ grpc::Status KvStepService::FreeSequences(grpc::ServerContext* ctx,
 grpc::Status KvStepService::CreateBatch(grpc::ServerContext* ctx,
                                         const v1::CreateBatchRequest* req,
                                         v1::CreateBatchResponse* resp) {
-  return Run(
-      Rpc::kCreateBatch, *ctx, [&](const Caller& caller) -> grpc::Status {
-        BatchSpec spec;
-        spec.rows.resize(req->rows_size());
-        for (int i = 0; i < req->rows_size(); ++i) {
-          const v1::BatchRow& r = req->rows(i);
-          BatchRowSpec& row = spec.rows[i];
-          row.seq_id = r.seq_id();
-          row.token_ids.assign(r.token_ids().begin(), r.token_ids().end());
-          row.num_cached_tokens = r.num_cached_tokens();
-          row.prefill = r.prefill();
-          row.skip_sampling = r.skip_sampling();
-        }
-        spec.num_padding_rows = req->num_padding_rows();
-        spec.block_table_width = req->block_table_width();
-        const std::tuple<v1::DType, DType, const char*, DType*> widths[] = {
-            {req->seq_lens_dtype(), DType::kInt32, "seq_lens_dtype",
-             &spec.seq_lens_dtype},
-            {req->block_tables_dtype(), DType::kInt32, "block_tables_dtype",
-             &spec.block_tables_dtype},
-            {req->slot_mapping_dtype(), DType::kInt64, "slot_mapping_dtype",
-             &spec.slot_mapping_dtype}};
-        for (const auto& [wire, fallback, field, out] : widths) {
-          absl::StatusOr<DType> d = IndexDType(wire, fallback, field);
-          if (!d.ok()) return ToGrpcStatus(d.status());
-          *out = *d;
-        }
-        std::vector<BatchId> release(req->release_batch_ids().begin(),
-                                     req->release_batch_ids().end());
-        absl::StatusOr<CreateBatchResult> r =
-            engine_->CreateBatch(spec, release, req->return_tensors(), caller);
-        if (!r.ok()) return ToGrpcStatus(r.status());
-        resp->set_batch_id(r->batch_id);
-        if (req->return_tensors())
-          SnapshotToProto(r->snapshot, resp->mutable_tensors());
-        resp->mutable_released_batch_ids()->Assign(r->released.begin(),
-                                                   r->released.end());
-        resp->set_server_instance_id(engine_->instance_id());
-        return grpc::Status::OK;
-      });
+  return Run(Rpc::kCreateBatch, ctx, [&](const Caller& caller) -> grpc::Status {
+    BatchSpec spec;
+    spec.rows.resize(req->rows_size());
+    for (int i = 0; i < req->rows_size(); ++i) {
+      const v1::BatchRow& r = req->rows(i);
+      BatchRowSpec& row = spec.rows[i];
+      row.seq_id = r.seq_id();
+      row.token_ids.assign(r.token_ids().begin(), r.token_ids().end());
+      row.num_cached_tokens = r.num_cached_tokens();
+      row.prefill = r.prefill();
+      row.skip_sampling = r.skip_sampling();
+    }
+    spec.num_padding_rows = req->num_padding_rows();
+    spec.block_table_width = req->block_table_width();
+    const std::tuple<v1::DType, DType, const char*, DType*> widths[] = {
+        {req->seq_lens_dtype(), DType::kInt32, "seq_lens_dtype",
+         &spec.seq_lens_dtype},
+        {req->block_tables_dtype(), DType::kInt32, "block_tables_dtype",
+         &spec.block_tables_dtype},
+        {req->slot_mapping_dtype(), DType::kInt64, "slot_mapping_dtype",
+         &spec.slot_mapping_dtype}};
+    for (const auto& [wire, fallback, field, out] : widths) {
+      absl::StatusOr<DType> d = IndexDType(wire, fallback, field);
+      if (!d.ok()) return ToGrpcStatus(d.status());
+      *out = *d;
+    }
+    std::vector<BatchId> release(req->release_batch_ids().begin(),
+                                 req->release_batch_ids().end());
+    absl::StatusOr<CreateBatchResult> r =
+        engine_->CreateBatch(spec, release, req->return_tensors(), caller);
+    if (!r.ok()) return ToGrpcStatus(r.status());
+    resp->set_batch_id(r->batch_id);
+    if (req->return_tensors())
+      SnapshotToProto(r->snapshot, resp->mutable_tensors());
+    resp->mutable_released_batch_ids()->Assign(r->released.begin(),
+                                               r->released.end());
+    resp->set_server_instance_id(engine_->instance_id());
+    return grpc::Status::OK;
+  });
 }
 
 grpc::Status KvStepService::GetBatch(grpc::ServerContext* ctx,
                                      const v1::GetBatchRequest* req,
                                      v1::GetBatchResponse* resp) {
-  return Run(Rpc::kGetBatch, *ctx, [&](const Caller& caller) -> grpc::Status {
+  return Run(Rpc::kGetBatch, ctx, [&](const Caller& caller) -> grpc::Status {
     absl::StatusOr<BatchSnapshot> snap =
         engine_->GetBatch(req->batch_id(), caller);
     if (!snap.ok()) return ToGrpcStatus(snap.status());
@@ -394,7 +393,7 @@ grpc::Status KvStepService::GetBatch(grpc::ServerContext* ctx,
 grpc::Status KvStepService::ReleaseBatches(grpc::ServerContext* ctx,
                                            const v1::ReleaseBatchesRequest* req,
                                            v1::ReleaseBatchesResponse* resp) {
-  return Run(Rpc::kReleaseBatches, *ctx,
+  return Run(Rpc::kReleaseBatches, ctx,
              [&](const Caller& caller) -> grpc::Status {
                std::vector<BatchId> ids(req->batch_ids().begin(),
                                         req->batch_ids().end());
@@ -414,51 +413,48 @@ grpc::Status KvStepService::ReleaseBatches(grpc::ServerContext* ctx,
 grpc::Status KvStepService::AdvanceStep(grpc::ServerContext* ctx,
                                         const v1::AdvanceStepRequest* req,
                                         v1::AdvanceStepResponse* resp) {
-  return Run(
-      Rpc::kAdvanceStep, *ctx, [&](const Caller& caller) -> grpc::Status {
-        resp->set_server_instance_id(engine_->instance_id());
-        if (req->has_explicit_state()) {
-          if (req->batch_id() != 0) {
-            return Invalid(
-                "batch_id and explicit_state are exclusive: name a server-held "
-                "batch or send the whole state");
-          }
-          if (req->step() != 0) {
-            return Invalid(
-                "step numbers server-held batches; explicit_state carries "
-                "no step");
-          }
-          return AdvanceExplicit(*req, resp);
-        }
-        if (req->batch_id() == 0) {
-          return Invalid("batch_id is missing (or send explicit_state)");
-        }
-        AdvanceInput in;
-        in.step = req->step();
-        const std::tuple<const v1::Tensor&, bool, const char*, Tensor*>
-            tensors[] = {
-                {req->sampled_token_ids(), req->has_sampled_token_ids(),
-                 "sampled_token_ids", &in.sampled_token_ids},
-                {req->spec_token(), req->has_spec_token(), "spec_token",
-                 &in.spec_token},
-                {req->accepted_num(), req->has_accepted_num(), "accepted_num",
-                 &in.accepted_num}};
-        for (const auto& [proto, present, field, out] : tensors) {
-          absl::StatusOr<Tensor> t = TensorFromProto(proto, present, field);
-          if (!t.ok()) return ToGrpcStatus(t.status());
-          *out = *std::move(t);
-        }
-        absl::StatusOr<AdvanceResult> r =
-            engine_->AdvanceStep(req->batch_id(), in, req->return_tensors(),
-                                 req->flashinfer(), caller);
-        if (!r.ok()) return ToGrpcStatus(r.status());
-        resp->set_step(r->step);
-        if (req->return_tensors())
-          SnapshotToProto(r->snapshot, resp->mutable_tensors());
-        if (req->flashinfer())
-          FlashInferToProto(r->flashinfer, resp->mutable_flashinfer());
-        return grpc::Status::OK;
-      });
+  return Run(Rpc::kAdvanceStep, ctx, [&](const Caller& caller) -> grpc::Status {
+    resp->set_server_instance_id(engine_->instance_id());
+    if (req->has_explicit_state()) {
+      if (req->batch_id() != 0) {
+        return Invalid(
+            "batch_id and explicit_state are exclusive: name a server-held "
+            "batch or send the whole state");
+      }
+      if (req->step() != 0) {
+        return Invalid(
+            "step numbers server-held batches; explicit_state carries "
+            "no step");
+      }
+      return AdvanceExplicit(*req, resp);
+    }
+    if (req->batch_id() == 0) {
+      return Invalid("batch_id is missing (or send explicit_state)");
+    }
+    AdvanceInput in;
+    in.step = req->step();
+    const std::tuple<const v1::Tensor&, bool, const char*, Tensor*> tensors[] =
+        {{req->sampled_token_ids(), req->has_sampled_token_ids(),
+          "sampled_token_ids", &in.sampled_token_ids},
+         {req->spec_token(), req->has_spec_token(), "spec_token",
+          &in.spec_token},
+         {req->accepted_num(), req->has_accepted_num(), "accepted_num",
+          &in.accepted_num}};
+    for (const auto& [proto, present, field, out] : tensors) {
+      absl::StatusOr<Tensor> t = TensorFromProto(proto, present, field);
+      if (!t.ok()) return ToGrpcStatus(t.status());
+      *out = *std::move(t);
+    }
+    absl::StatusOr<AdvanceResult> r = engine_->AdvanceStep(
+        req->batch_id(), in, req->return_tensors(), req->flashinfer(), caller);
+    if (!r.ok()) return ToGrpcStatus(r.status());
+    resp->set_step(r->step);
+    if (req->return_tensors())
+      SnapshotToProto(r->snapshot, resp->mutable_tensors());
+    if (req->flashinfer())
+      FlashInferToProto(r->flashinfer, resp->mutable_flashinfer());
+    return grpc::Status::OK;
+  });
 }
 
 grpc::Status KvStepService::AdvanceExplicit(const v1::AdvanceStepRequest& req,
@@ -513,7 +509,7 @@ grpc::Status KvStepService::PagedAttention(grpc::ServerContext* ctx,
                                            const v1::PagedAttentionRequest* req,
                                            v1::PagedAttentionResponse* resp) {
   return Run(
-      Rpc::kPagedAttention, *ctx, [&](const Caller& caller) -> grpc::Status {
+      Rpc::kPagedAttention, ctx, [&](const Caller& caller) -> grpc::Status {
         resp->set_server_instance_id(engine_->instance_id());
         AttentionRequest a;
         a.layer = req->layer();

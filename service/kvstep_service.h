@@ -21,6 +21,9 @@ namespace kvstep {
 
 // The metadata key of the session id (decimal).
 inline constexpr char kSessionMetadataKey[] = "kvstep-session-id";
+// Trailing metadata of every KvStep reply, errors included: the server's
+// instance id, so that a client notices a restart from any reply.
+inline constexpr char kInstanceMetadataKey[] = "kvstep-instance-id";
 
 struct ServiceOptions {
   int64_t max_message_bytes = int64_t{64} << 20;
@@ -91,10 +94,13 @@ class KvStepService final : public v1::KvStep::Service {
 
  private:
   // Authenticates the call and reads (and renews) its session.
-  grpc::Status Admit(const grpc::ServerContext& ctx, Caller* caller) const;
+  // GetServerInfo ignores the session: it is how a client probes a server
+  // that may have restarted (and forgotten the session).
+  grpc::Status Admit(Rpc rpc, const grpc::ServerContext& ctx,
+                     Caller* caller) const;
   // Admits the call, runs `body(caller)`, and records the outcome.
   template <typename Body>
-  grpc::Status Run(Rpc rpc, const grpc::ServerContext& ctx, Body&& body);
+  grpc::Status Run(Rpc rpc, grpc::ServerContext* ctx, Body&& body);
 
   grpc::Status AdvanceExplicit(const v1::AdvanceStepRequest& req,
                                v1::AdvanceStepResponse* resp);
