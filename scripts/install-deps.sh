@@ -7,6 +7,10 @@ PKGS=(
   build-essential cmake ninja-build pkg-config clang
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
+  prometheus-cpp-dev
+  # Tests: TLS certificates are made with openssl; the fuzzer needs clang's
+  # libFuzzer runtime.
+  openssl libclang-rt-14-dev
 )
 
 missing=()
