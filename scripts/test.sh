@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Installs the dependencies, builds kvstep and passes its tests: the normal
-# build, then the whole suite under ASan+UBSan, then the core suite under
-# TSan (Debian's gRPC is not TSan-instrumented, so TSan runs the gRPC-free
-# core tests, which include the multi-threaded engine test).
+# build, then the whole suite under ASan+UBSan, then the whole suite under
+# TSan (own build directories), then 60 s of libFuzzer on request parsing
+# and validation. Debian's gRPC, Abseil and OpenSSL are not TSan-
+# instrumented: the gRPC-free core suite runs under TSan as is, the gRPC
+# suites with tests/tsan.supp, which drops reports inside those libraries.
 #   scripts/test.sh            everything (what CI runs)
 #   scripts/test.sh --quick    the normal build only
 set -euo pipefail
@@ -25,7 +27,12 @@ if [ "${1:-}" != "--quick" ]; then
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 run_ctest build-asan
 
-  echo "== TSan build and core test"
+  echo "== TSan build and test"
   scripts/build.sh build-tsan -DKVSTEP_SANITIZE=thread -DKVSTEP_BUILD_BENCH=OFF
   TSAN_OPTIONS=halt_on_error=1 run_ctest build-tsan -L core
+  TSAN_OPTIONS="halt_on_error=1 suppressions=$PWD/tests/tsan.supp" \
+    run_ctest build-tsan -L service
+
+  echo "== libFuzzer: request parsing and validation, 60 s"
+  scripts/fuzz.sh 60
 fi

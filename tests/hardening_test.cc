@@ -313,16 +313,25 @@ TEST(SessionService, CloseFreesAndMalformedMetadataIsRefused) {
   for (const char* value : {"abc", "0", "-5", "12345678901234567890123"}) {
     grpc::ClientContext ctx;
     ctx.AddMetadata("kvstep-session-id", value);
-    v1::GetServerInfoResponse resp;
-    grpc::Status st = stub->GetServerInfo(&ctx, {}, &resp);
+    v1::ReleaseBatchesResponse resp;
+    grpc::Status st = stub->ReleaseBatches(&ctx, {}, &resp);
     EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << value;
     EXPECT_THAT(st.error_message(), HasSubstr("kvstep-session-id"));
   }
-  grpc::ClientContext ctx;
-  ctx.AddMetadata("kvstep-session-id", "777");
-  v1::GetServerInfoResponse resp;
-  EXPECT_EQ(stub->GetServerInfo(&ctx, {}, &resp).error_code(),
-            grpc::StatusCode::NOT_FOUND);
+  {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("kvstep-session-id", "777");
+    v1::ReleaseBatchesResponse resp;
+    EXPECT_EQ(stub->ReleaseBatches(&ctx, {}, &resp).error_code(),
+              grpc::StatusCode::NOT_FOUND);
+  }
+  {
+    // GetServerInfo ignores the session: it is the restart probe.
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("kvstep-session-id", "777");
+    v1::GetServerInfoResponse resp;
+    EXPECT_TRUE(stub->GetServerInfo(&ctx, {}, &resp).ok());
+  }
   v1::OpenSessionRequest bad;
   bad.set_ttl_ms(10);
   grpc::ClientContext ctx2;
