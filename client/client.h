@@ -3,11 +3,15 @@
 //
 // One method per RPC; each call gets a deadline (the client's default or the
 // one passed) and returns absl::StatusOr with the server's canonical code and
-// message. The client remembers the server_instance_id of the last reply: a
-// change means the server restarted and its sequences and batches are gone.
+// message. The client remembers the server instance id of the last reply
+// (errors included: the server sends it in trailing metadata); a change
+// means the server restarted and its sequences, batches and sessions are
+// gone.
+//
 // Sessions: after OpenSession() every call carries the session id, so the
 // sequences and batches it creates belong to the session and come back to
 // the pool if this process dies (the server frees them after the TTL).
+//
 // Thread-safe: calls may be made concurrently from many threads.
 #ifndef KVSTEP_CLIENT_CLIENT_H_
 #define KVSTEP_CLIENT_CLIENT_H_
