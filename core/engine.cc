@@ -243,6 +243,7 @@ std::vector<SessionEnd> Engine::ExpireSessions() {
     if (session.deadline < now) lapsed.push_back(id);
   }
   std::vector<SessionEnd> ends;
+  ends.reserve(lapsed.size());
   for (SessionId id : lapsed) ends.push_back(EndSessionLocked(id));
   sessions_expired_ += static_cast<int64_t>(ends.size());
   return ends;

@@ -62,7 +62,8 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* requests_ = nullptr;
   std::array<prometheus::Histogram*, kNumRpcs> latency_{};
   // Created on first use (Family::Add takes a lock and hashes the labels).
-  std::array<std::atomic<prometheus::Counter*>, kNumRpcs * kNumCodes>
+  std::array<std::atomic<prometheus::Counter*>,
+             static_cast<size_t>(kNumRpcs) * kNumCodes>
       counters_{};
   Mutex add_mu_;  // serializes the first creation of a counter
   int port_ = 0;
