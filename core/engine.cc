@@ -216,6 +216,15 @@ absl::StatusOr<Batch*> Engine::FindBatchLocked(BatchId id,
   return it->second.get();
 }
 
+absl::Status Engine::CheckSeqOwnerLocked(SeqId id, const Caller& caller,
+                                         absl::string_view field,
+                                         size_t i) const {
+  const Sequence* seq = seqs_.Find(id);
+  if (seq == nullptr) return absl::OkStatus();  // the caller reports unknowns
+  return CheckOwner(seq->session, caller,
+                    absl::StrFormat("%s[%d]: seq %d", field, i, id));
+}
+
 void Engine::AdoptSeqLocked(SeqId id, const Caller& caller) {
   if (caller.session == 0) return;
   seqs_.Find(id)->session = caller.session;
@@ -325,11 +334,8 @@ absl::StatusOr<AllocateResult> Engine::AllocateBlocks(
   MutexLock lock(&mu_);
   if (absl::Status s = UseSessionLocked(caller); !s.ok()) return s;
   for (size_t i = 0; i < requests.size(); ++i) {
-    const Sequence* seq = seqs_.Find(requests[i].seq_id);
-    if (seq == nullptr) continue;
-    if (absl::Status s = CheckOwner(
-            seq->session, caller,
-            absl::StrFormat("sequences[%d]: seq %d", i, requests[i].seq_id));
+    if (absl::Status s =
+            CheckSeqOwnerLocked(requests[i].seq_id, caller, "sequences", i);
         !s.ok()) {
       return s;
     }
@@ -367,11 +373,7 @@ absl::StatusOr<FreeResult> Engine::FreeSequences(absl::Span<const SeqId> ids,
   MutexLock lock(&mu_);
   if (absl::Status s = UseSessionLocked(caller); !s.ok()) return s;
   for (size_t i = 0; i < ids.size(); ++i) {
-    const Sequence* seq = seqs_.Find(ids[i]);
-    if (seq == nullptr) continue;
-    if (absl::Status s =
-            CheckOwner(seq->session, caller,
-                       absl::StrFormat("seq_ids[%d]: seq %d", i, ids[i]));
+    if (absl::Status s = CheckSeqOwnerLocked(ids[i], caller, "seq_ids", i);
         !s.ok()) {
       return s;
     }
@@ -477,11 +479,7 @@ absl::StatusOr<SwapOutcome> Engine::Swap(absl::Span<const SeqId> ids, bool out,
   MutexLock lock(&mu_);
   if (absl::Status s = UseSessionLocked(caller); !s.ok()) return s;
   for (size_t i = 0; i < ids.size(); ++i) {
-    const Sequence* seq = seqs_.Find(ids[i]);
-    if (seq == nullptr) continue;  // SwapOut/SwapIn name it
-    if (absl::Status s =
-            CheckOwner(seq->session, caller,
-                       absl::StrFormat("seq_ids[%d]: seq %d", i, ids[i]));
+    if (absl::Status s = CheckSeqOwnerLocked(ids[i], caller, "seq_ids", i);
         !s.ok()) {
       return s;
     }

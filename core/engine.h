@@ -344,6 +344,11 @@ class Engine {
   // PERMISSION_DENIED unless the object belongs to the caller's session.
   static absl::Status CheckOwner(SessionId owner, const Caller& caller,
                                  absl::string_view what);
+  // CheckOwner for the sequence `id`, named field[i]; OK when there is no
+  // such sequence (each method treats unknown ids its own way).
+  absl::Status CheckSeqOwnerLocked(SeqId id, const Caller& caller,
+                                   absl::string_view field, size_t i) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Finds the batch and checks that the caller may use it.
   absl::StatusOr<Batch*> FindBatchLocked(BatchId id, const Caller& caller) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
