@@ -29,10 +29,11 @@ std::unique_ptr<Client> Client::Connect(const std::string& target,
   args.SetMaxSendMessageSize(options.max_message_bytes);
   const int backoff_ms = static_cast<int>(std::clamp<int64_t>(
       absl::ToInt64Milliseconds(options.max_reconnect_backoff), 100, 120000));
+  // First retry after 100 ms, growing 1.6x up to the maximum; each attempt
+  // may take a second to connect (a local sidecar answers in microseconds).
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, backoff_ms);
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS,
-              std::min(backoff_ms, 1000));
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, std::min(backoff_ms, 1000));
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 1000);
   std::shared_ptr<grpc::ChannelCredentials> creds =
       grpc::InsecureChannelCredentials();
   if (options.use_tls) {
