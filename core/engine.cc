@@ -225,6 +225,18 @@ absl::Status Engine::CheckSeqOwnerLocked(SeqId id, const Caller& caller,
                     absl::StrFormat("%s[%d]: seq %d", field, i, id));
 }
 
+absl::Status Engine::AdmitSeqIdsLocked(absl::Span<const SeqId> ids,
+                                       const Caller& caller) {
+  if (absl::Status s = UseSessionLocked(caller); !s.ok()) return s;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (absl::Status s = CheckSeqOwnerLocked(ids[i], caller, "seq_ids", i);
+        !s.ok()) {
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
 void Engine::AdoptSeqLocked(SeqId id, const Caller& caller) {
   if (caller.session == 0) return;
   seqs_.Find(id)->session = caller.session;
@@ -371,13 +383,7 @@ absl::StatusOr<AllocateResult> Engine::AllocateBlocks(
 absl::StatusOr<FreeResult> Engine::FreeSequences(absl::Span<const SeqId> ids,
                                                  const Caller& caller) {
   MutexLock lock(&mu_);
-  if (absl::Status s = UseSessionLocked(caller); !s.ok()) return s;
-  for (size_t i = 0; i < ids.size(); ++i) {
-    if (absl::Status s = CheckSeqOwnerLocked(ids[i], caller, "seq_ids", i);
-        !s.ok()) {
-      return s;
-    }
-  }
+  if (absl::Status s = AdmitSeqIdsLocked(ids, caller); !s.ok()) return s;
   FreeResult result;
   for (SeqId id : ids) {
     std::vector<BatchId> batches;
@@ -477,13 +483,7 @@ absl::StatusOr<SwapOutcome> Engine::SwapIn(absl::Span<const SeqId> ids,
 absl::StatusOr<SwapOutcome> Engine::Swap(absl::Span<const SeqId> ids, bool out,
                                          const Caller& caller) {
   MutexLock lock(&mu_);
-  if (absl::Status s = UseSessionLocked(caller); !s.ok()) return s;
-  for (size_t i = 0; i < ids.size(); ++i) {
-    if (absl::Status s = CheckSeqOwnerLocked(ids[i], caller, "seq_ids", i);
-        !s.ok()) {
-      return s;
-    }
-  }
+  if (absl::Status s = AdmitSeqIdsLocked(ids, caller); !s.ok()) return s;
   SwapResult r;
   absl::Status s = out ? seqs_.SwapOut(ids, &r) : seqs_.SwapIn(ids, &r);
   if (!s.ok()) return s;

@@ -349,6 +349,11 @@ class Engine {
   absl::Status CheckSeqOwnerLocked(SeqId id, const Caller& caller,
                                    absl::string_view field, size_t i) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // UseSessionLocked, then CheckSeqOwnerLocked for every id of a request's
+  // `seq_ids`.
+  absl::Status AdmitSeqIdsLocked(absl::Span<const SeqId> ids,
+                                 const Caller& caller)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Finds the batch and checks that the caller may use it.
   absl::StatusOr<Batch*> FindBatchLocked(BatchId id, const Caller& caller) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
