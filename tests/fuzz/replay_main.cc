@@ -15,15 +15,18 @@
 #include <vector>
 
 #include "kvstep/v1/kvstep.pb.h"
+#include "service/rpc.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);
 
 namespace {
 
 namespace v1 = kvstep::v1;
+using kvstep::Rpc;
 
 // One framed call: [rpc][n lo][n hi][n bytes].
-void Frame(std::string* out, int rpc, const google::protobuf::Message& m) {
+void Frame(std::string* out, kvstep::Rpc rpc,
+           const google::protobuf::Message& m) {
   const std::string body = m.SerializeAsString();
   out->push_back(static_cast<char>(rpc));
   out->push_back(static_cast<char>(body.size() & 0xff));
@@ -66,7 +69,7 @@ std::string LifeSeed() {
   for (int i = 0; i < 20; ++i) s1->add_prompt_token_ids(i);
   a.add_sequences()->set_seq_id(2);
   a.mutable_sequences(1)->set_num_tokens(9);
-  Frame(&s, 0, a);
+  Frame(&s, Rpc::kAllocateBlocks, a);
   v1::CreateBatchRequest cb;
   v1::BatchRow* r1 = cb.add_rows();
   r1->set_seq_id(1);
@@ -75,50 +78,50 @@ std::string LifeSeed() {
   r2->set_seq_id(2);
   for (int i = 0; i < 8; ++i) r2->add_token_ids(i);
   cb.set_num_padding_rows(1);
-  Frame(&s, 2, cb);
+  Frame(&s, Rpc::kCreateBatch, cb);
   v1::PagedAttentionRequest pa;
   pa.set_batch_id(1);
   *pa.mutable_query() = Fp16({29, 2, 32});
   *pa.mutable_key() = Fp16({29, 2, 32});
   *pa.mutable_value() = Fp16({29, 2, 32});
-  Frame(&s, 6, pa);
+  Frame(&s, Rpc::kPagedAttention, pa);
   v1::AdvanceStepRequest adv;
   adv.set_batch_id(1);
   adv.set_step(1);
   adv.set_return_tensors(true);
   adv.set_flashinfer(true);
   *adv.mutable_sampled_token_ids() = I64({5, 6}, {2, 1});
-  Frame(&s, 5, adv);
-  Frame(&s, 5, adv);  // the retry
+  Frame(&s, Rpc::kAdvanceStep, adv);
+  Frame(&s, Rpc::kAdvanceStep, adv);  // the retry
   *pa.mutable_query() = Fp16({3, 2, 32});
   *pa.mutable_key() = Fp16({3, 2, 32});
   *pa.mutable_value() = Fp16({3, 2, 32});
-  Frame(&s, 6, pa);
+  Frame(&s, Rpc::kPagedAttention, pa);
   v1::ForkSequenceRequest fork;
   fork.set_parent_seq_id(1);
   fork.add_child_seq_ids(3);
-  Frame(&s, 7, fork);
+  Frame(&s, Rpc::kForkSequence, fork);
   v1::AllocateBlocksRequest grow;
   grow.add_sequences()->set_seq_id(3);
   grow.mutable_sequences(0)->set_num_tokens(30);
-  Frame(&s, 0, grow);
-  Frame(&s, 8, grow);
+  Frame(&s, Rpc::kAllocateBlocks, grow);
+  Frame(&s, Rpc::kCanAllocate, grow);
   v1::GetBatchRequest gb;
   gb.set_batch_id(1);
-  Frame(&s, 3, gb);
+  Frame(&s, Rpc::kGetBatch, gb);
   v1::SwapRequest swap;
   swap.add_seq_ids(2);
-  Frame(&s, 9, swap);
-  Frame(&s, 10, swap);
+  Frame(&s, Rpc::kSwapOut, swap);
+  Frame(&s, Rpc::kSwapIn, swap);
   v1::FreeSequencesRequest fr;
   fr.add_seq_ids(1);
   fr.add_seq_ids(77);
-  Frame(&s, 1, fr);
+  Frame(&s, Rpc::kFreeSequences, fr);
   v1::ReleaseBatchesRequest rb;
   rb.add_batch_ids(1);
-  Frame(&s, 4, rb);
-  Frame(&s, 11, v1::ResetPrefixCacheRequest());
-  Frame(&s, 14, v1::GetServerInfoRequest());
+  Frame(&s, Rpc::kReleaseBatches, rb);
+  Frame(&s, Rpc::kResetPrefixCache, v1::ResetPrefixCacheRequest());
+  Frame(&s, Rpc::kGetServerInfo, v1::GetServerInfoRequest());
   return s;
 }
 
@@ -127,13 +130,13 @@ std::string SessionSeed() {
   v1::OpenSessionRequest open;
   open.set_ttl_ms(1000);
   open.set_name("fuzz");
-  Frame(&s, 12, open);
+  Frame(&s, Rpc::kOpenSession, open);
   v1::KeepAliveRequest ka;
   ka.set_session_id(12345);
-  Frame(&s, 15, ka);
+  Frame(&s, Rpc::kKeepAlive, ka);
   v1::CloseSessionRequest close;
   close.set_session_id(12345);
-  Frame(&s, 13, close);
+  Frame(&s, Rpc::kCloseSession, close);
   v1::AdvanceStepRequest adv;
   v1::ExplicitStepState* e = adv.mutable_explicit_state();
   e->set_num_seqs(1);
@@ -145,7 +148,7 @@ std::string SessionSeed() {
   *e->mutable_slot_mapping() = I64({3}, {1});
   *e->mutable_block_tables() = I64({0, 1}, {1, 2});
   *adv.mutable_sampled_token_ids() = I64({9}, {1, 1});
-  Frame(&s, 5, adv);
+  Frame(&s, Rpc::kAdvanceStep, adv);
   return s;
 }
 

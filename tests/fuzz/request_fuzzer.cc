@@ -1,7 +1,8 @@
 // request_fuzzer: libFuzzer target over request parsing and validation.
 //
 // An input is a sequence of calls, each framed as
-//   [1 byte: which RPC][2 bytes little-endian: n][n bytes: the request proto]
+//   [1 byte: which RPC (kvstep::Rpc, modulo kNumRpcs)][2 bytes little-endian:
+//   n][n bytes: the request proto]
 // and run against a fresh server-side stack (KvStepService over a small
 // Engine, no network). Whatever the bytes, no call may crash, and after every
 // call the Engine's invariants must hold (every block free or owned with
@@ -21,6 +22,7 @@
 #include "core/engine.h"
 #include "core/log.h"
 #include "service/kvstep_service.h"
+#include "service/rpc.h"
 
 namespace kvstep {
 namespace {
@@ -69,6 +71,7 @@ void Call(KvStepService* service, Method method, const uint8_t* data,
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using kvstep::KvStepService;
+  using kvstep::Rpc;
   namespace v1 = kvstep::v1;
   kvstep::SetLogLevel(kvstep::LogLevel::kError);
   std::unique_ptr<kvstep::Engine> engine = kvstep::NewEngine();
@@ -77,82 +80,85 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   KvStepService service(engine.get(), options);
   KvStepService* s = &service;
   while (size >= 3) {
-    const uint8_t rpc = data[0];
+    // The first byte names the RPC, as service/rpc.h numbers them.
+    const auto rpc = static_cast<kvstep::Rpc>(data[0] % kvstep::kNumRpcs);
     size_t n = static_cast<size_t>(data[1]) | static_cast<size_t>(data[2]) << 8;
     data += 3;
     size -= 3;
     if (n > size) n = size;
-    switch (rpc % 16) {
-      case 0:
+    switch (rpc) {
+      case Rpc::kAllocateBlocks:
         kvstep::Call<v1::AllocateBlocksRequest, v1::AllocateBlocksResponse>(
             s, &KvStepService::AllocateBlocks, data, n);
         break;
-      case 1:
+      case Rpc::kFreeSequences:
         kvstep::Call<v1::FreeSequencesRequest, v1::FreeSequencesResponse>(
             s, &KvStepService::FreeSequences, data, n);
         break;
-      case 2:
+      case Rpc::kCreateBatch:
         kvstep::Call<v1::CreateBatchRequest, v1::CreateBatchResponse>(
             s, &KvStepService::CreateBatch, data, n);
         break;
-      case 3:
+      case Rpc::kGetBatch:
         kvstep::Call<v1::GetBatchRequest, v1::GetBatchResponse>(
             s, &KvStepService::GetBatch, data, n);
         break;
-      case 4:
+      case Rpc::kReleaseBatches:
         kvstep::Call<v1::ReleaseBatchesRequest, v1::ReleaseBatchesResponse>(
             s, &KvStepService::ReleaseBatches, data, n);
         break;
-      case 5:
+      case Rpc::kAdvanceStep:
         kvstep::Call<v1::AdvanceStepRequest, v1::AdvanceStepResponse>(
             s, &KvStepService::AdvanceStep, data, n);
         break;
-      case 6:
+      case Rpc::kPagedAttention:
         kvstep::Call<v1::PagedAttentionRequest, v1::PagedAttentionResponse>(
             s, &KvStepService::PagedAttention, data, n);
         break;
-      case 7:
+      case Rpc::kForkSequence:
         kvstep::Call<v1::ForkSequenceRequest, v1::ForkSequenceResponse>(
             s, &KvStepService::ForkSequence, data, n);
         break;
-      case 8:
+      case Rpc::kCanAllocate:
         kvstep::Call<v1::AllocateBlocksRequest, v1::CanAllocateResponse>(
             s, &KvStepService::CanAllocate, data, n);
         break;
-      case 9:
+      case Rpc::kSwapOut:
         kvstep::Call<v1::SwapRequest, v1::SwapResponse>(
             s, &KvStepService::SwapOut, data, n);
         break;
-      case 10:
+      case Rpc::kSwapIn:
         kvstep::Call<v1::SwapRequest, v1::SwapResponse>(
             s, &KvStepService::SwapIn, data, n);
         break;
-      case 11:
+      case Rpc::kResetPrefixCache:
         kvstep::Call<v1::ResetPrefixCacheRequest, v1::ResetPrefixCacheResponse>(
             s, &KvStepService::ResetPrefixCache, data, n);
         break;
-      case 12:
+      case Rpc::kOpenSession:
         kvstep::Call<v1::OpenSessionRequest, v1::OpenSessionResponse>(
             s, &KvStepService::OpenSession, data, n);
         break;
-      case 13:
+      case Rpc::kCloseSession:
         kvstep::Call<v1::CloseSessionRequest, v1::CloseSessionResponse>(
             s, &KvStepService::CloseSession, data, n);
         break;
-      case 14:
+      case Rpc::kGetServerInfo:
         kvstep::Call<v1::GetServerInfoRequest, v1::GetServerInfoResponse>(
             s, &KvStepService::GetServerInfo, data, n);
         break;
-      default:
+      case Rpc::kKeepAlive:
         kvstep::Call<v1::KeepAliveRequest, v1::KeepAliveResponse>(
             s, &KvStepService::KeepAlive, data, n);
         break;
+      case Rpc::kSubscribeKvEvents:
+        break;  // a stream that runs until cancelled: not fuzzed here
     }
     data += n;
     size -= n;
     if (absl::Status st = engine->CheckInvariants(); !st.ok()) {
-      std::fprintf(stderr, "invariant broken after RPC %d: %s\n", rpc % 16,
-                   st.ToString().c_str());
+      std::fprintf(stderr, "invariant broken after %s: %s\n",
+                   kvstep::RpcName(rpc), st.ToString().c_str());
       std::abort();
     }
   }
