@@ -2,15 +2,23 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#include <immintrin.h>
+#endif
 
 #include "absl/strings/str_format.h"
 #include "core/float_convert.h"
 
-// The 8-float vector helpers below are internal and always inlined, so no
-// call crosses an ABI boundary with an AVX vector; clang's -Wpsabi warning
-// about their by-value vectors in non-AVX contexts does not apply.
+// The kernel's 8-float vector helpers are internal and always inlined, so
+// no call crosses an ABI boundary with an AVX vector; clang's -Wpsabi
+// warning about their by-value vectors in the portable build does not
+// apply.
 #pragma clang diagnostic ignored "-Wpsabi"
 
 namespace kvstep {
@@ -116,80 +124,6 @@ struct CacheElem<DType::kFp8E5M2> {
   static T Store(float v, float s) { return FloatToFp8E5M2(v / s); }
 };
 
-// 8 floats as one vector (a ymm register inside the AVX2/AVX-512 wrappers,
-// two xmm elsewhere), with explicit loads and stores.
-typedef float F8 __attribute__((vector_size(32)));
-__attribute__((always_inline)) inline F8 LoadF8(const float* p) {
-  F8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-__attribute__((always_inline)) inline void StoreF8(float* p, F8 v) {
-  std::memcpy(p, &v, sizeof(v));
-}
-
-// 8 cache elements to floats. The generic version goes element by element;
-// bf16 and fp16 widen as vectors.
-template <typename Elem>
-__attribute__((always_inline)) inline F8 Convert8(const typename Elem::T* src,
-                                                  float scale) {
-  float f[8];
-  for (int i = 0; i < 8; ++i) f[i] = Elem::Load(src[i], scale);
-  return LoadF8(f);
-}
-
-__attribute__((always_inline)) inline F8 HAdd(F8 a, F8 b) {
-  return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
-         __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
-}
-// The sums of eight vectors, as one vector: r[i] = sum of v[i]'s lanes.
-__attribute__((always_inline)) inline F8 TransposeSum(const F8* v) {
-  const F8 a = HAdd(HAdd(v[0], v[1]), HAdd(v[2], v[3]));
-  const F8 b = HAdd(HAdd(v[4], v[5]), HAdd(v[6], v[7]));
-  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
-         __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
-}
-__attribute__((always_inline)) inline float HSum(F8 v) {
-  float f[8];
-  std::memcpy(f, &v, sizeof(f));
-  return ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
-}
-
-typedef uint16_t U16x8 __attribute__((vector_size(16)));
-typedef uint32_t U32x8 __attribute__((vector_size(32)));
-
-template <>
-__attribute__((always_inline)) inline F8 Convert8<CacheElem<DType::kBFloat16>>(
-    const uint16_t* src, float) {
-  U16x8 h;
-  std::memcpy(&h, src, sizeof(h));
-  const U32x8 w = __builtin_convertvector(h, U32x8) << 16;
-  F8 f;
-  std::memcpy(&f, &w, sizeof(f));
-  return f;
-}
-
-template <>
-__attribute__((always_inline)) inline F8 Convert8<CacheElem<DType::kFloat16>>(
-    const uint16_t* src, float) {
-  U16x8 h;
-  std::memcpy(&h, src, sizeof(h));
-  const U32x8 w = __builtin_convertvector(h, U32x8);
-  const U32x8 em = w & 0x7fffu;
-  F8 mag;
-  const U32x8 shifted = em << 13;
-  std::memcpy(&mag, &shifted, sizeof(mag));
-  mag *= 5.192296858534828e+33f;  // 2^112: rebases the exponent
-  U32x8 bits;
-  std::memcpy(&bits, &mag, sizeof(bits));
-  const U32x8 special = em >= 0x7c00u;  // all ones where inf or NaN
-  bits = (special & (0x7f800000u | shifted)) | (~special & bits);
-  bits |= (w & 0x8000u) << 16;
-  F8 f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
 template <typename F>
 decltype(auto) DispatchCache(DType d, F&& f) {
   switch (d) {
@@ -227,485 +161,71 @@ Geometry GeometryOf(const CacheConfig& c) {
                   c.layout == CacheLayout::kVllm};
 }
 
-// Independent accumulators let the compiler vectorize without reassociating
-// a single float sum.
-__attribute__((always_inline)) inline float Dot(const float* a, const float* b,
-                                                int64_t n) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    for (int k = 0; k < 8; ++k) acc[k] += a[i + k] * b[i + k];
-  }
-  float s = 0;
-  for (; i < n; ++i) s += a[i] * b[i];
-  for (float v : acc) s += v;
-  return s;
-}
-
 __attribute__((always_inline)) inline void Axpy(float* y, float a,
                                                 const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-// One work item's scratch, reused across items on a thread.
+// One work item's scratch, reused across the item's chunks.
 struct Scratch {
-  std::vector<float> q, logits, tile, acc, lanes;
-  // The current chunk: nv = tokens * group "virtual heads" (token-major);
-  // token k of the chunk is at position pos0 + k.
-  int64_t nv = 0;
-  int64_t pos0 = 0;
+  std::vector<float> q;        // [virtual heads][head_size], scaled
+  std::vector<float> logits;   // [virtual heads][keys, padded to 8]
+  std::vector<float> lanes;    // vLLM values: [virtual heads][head_size][8]
+  std::vector<float> weights;  // a partial block's weights, zero-padded
 };
 
-template <typename Elem>
-class Attender {
- public:
-  using T = typename Elem::T;
-  Attender(const KvCache& cache, int64_t layer, const Tensor& query,
-           const AttentionRows& rows, const AttentionParams& p, Tensor* out)
-      : c_(cache.config()),
-        g_(GeometryOf(cache.config())),
-        k_(static_cast<const T*>(cache.key(layer).raw_data())),
-        v_(static_cast<const T*>(cache.value(layer).raw_data())),
-        q_(query),
-        rows_(rows),
-        p_(p),
-        out_(out),
-        heads_(query.dim(1)),
-        group_(query.dim(1) / cache.config().num_kv_heads),
-        scale_(p.scale > 0
-                   ? static_cast<float>(p.scale)
-                   : 1.0f / std::sqrt(static_cast<float>(c_.head_size))) {}
+// The kernel, once per instruction set (see core/attention_kernel.inc).
+#if defined(__x86_64__) || defined(__i386__)
+#define KVSTEP_ATTN_X86 1
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), \
+                             apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+#define KVSTEP_ATTN_NS avx2
+#define KVSTEP_ATTN_F16C 1
+#include "core/attention_kernel.inc"  // NOLINT(build/include)
+#undef KVSTEP_ATTN_F16C
+#undef KVSTEP_ATTN_NS
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif
 
-  // Attention of `ntok` consecutive query tokens of row `r` (from token
-  // index qi0, the first at position pos0), for the query heads of KV head
-  // `h`, over keys [lo, hi) (each token also limited by causality and the
-  // sliding window). Writes, per (token, query head), the max logit, the
-  // exp-sum and the unnormalized weighted sum of values. The tokens share
-  // each K/V block read: a prefill chunk reads its context once per chunk,
-  // not once per token.
-  void Partial(Scratch& s, int64_t r, int64_t h, int64_t qi0, int64_t ntok,
-               int64_t pos0, int64_t lo, int64_t hi, float* m_out, float* s_out,
-               float* acc_out) const {
-    const int64_t D = c_.head_size, G = group_;
-    const int64_t nv = ntok * G;
-    const int64_t n = hi - lo;
-    s.nv = nv;
-    s.pos0 = pos0;
-    s.q.resize(nv * D);
-    s.logits.resize(nv * (n + 2 * c_.block_size));
-    s.tile.resize(c_.block_size * D);
-    // Lane accumulators serve only block sizes that are not a multiple of
-    // 8 (values) and fp32 keys (x = 4); other paths accumulate in registers.
-    const bool lanes = c_.block_size % 8 != 0 || c_.block_size > 32 ||
-                       (g_.vllm && g_.x % 8 != 0);
-    if (lanes) s.lanes.resize(nv * D * std::max<int64_t>(c_.block_size, g_.x));
-    s.acc.resize(nv * c_.block_size);
-    const DType qd = q_.dtype();
-    for (int64_t k = 0; k < ntok; ++k) {
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t base = ((qi0 + k) * heads_ + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) {
-          s.q[(k * G + g) * D + d] =
-              LoadAct(qd, q_.raw_data(), base + d) * scale_;
-        }
-      }
-    }
-    kernel_(*this, s, r, h, pos0, lo, hi, m_out, s_out, acc_out);
-  }
+#define KVSTEP_ATTN_NS portable
+#include "core/attention_kernel.inc"  // NOLINT(build/include)
+#undef KVSTEP_ATTN_NS
 
-  // The body of Partial, always inlined into one wrapper per instruction
-  // set (see Dispatch), so that the same loops are vectorized for AVX2 or
-  // AVX-512 and chosen at run time.
-  __attribute__((always_inline)) inline void Body(Scratch& s, int64_t r,
-                                                  int64_t h, int64_t pos,
-                                                  int64_t lo, int64_t hi,
-                                                  float* m_out, float* s_out,
-                                                  float* acc_out) const {
-    const int64_t D = c_.head_size, bs = c_.block_size, G = s.nv;
-    const int64_t n = hi - lo;
-    const int64_t* table = &rows_.block_tables[r * rows_.width];
-    (void)pos;  // per virtual head: s.pos0 + vh / group_
-    // Pass 1: logits, one K block at a time.
-    for (int64_t c = lo / bs; c * bs < hi; ++c) {
-      const int64_t t0 = (lo > c * bs ? lo : c * bs) - c * bs;
-      const int64_t t1 = (hi < (c + 1) * bs ? hi : (c + 1) * bs) - c * bs;
-      if (c + 1 < (hi + bs - 1) / bs) Prefetch(table[c + 1], h);
-      float* lg = &s.logits[0];
-      if (g_.vllm) {
-        KeyLogitsVllm(table[c], h, t0, t1, s, c * bs - lo, n);
-      } else {
-        LoadKeys(table[c], h, t0, t1, s.tile.data());
-        for (int64_t t = t0; t < t1; ++t) {
-          for (int64_t g = 0; g < G; ++g) {
-            lg[g * n + (c * bs + t - lo)] = Dot(&s.q[g * D], &s.tile[t * D], D);
-          }
-        }
-      }
-      if (!p_.alibi_slopes.empty()) {
-        for (int64_t g = 0; g < G; ++g) {
-          const float slope = p_.alibi_slopes[h * group_ + g % group_];
-          const int64_t pg = s.pos0 + g / group_;
-          for (int64_t t = t0; t < t1; ++t) {
-            lg[g * n + (c * bs + t - lo)] +=
-                slope * static_cast<float>(c * bs + t - pg);
-          }
-        }
-      }
-    }
-    // Each token sees only keys j <= its position (and inside its window):
-    // the others are masked, and weigh exactly 0 after the softmax.
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t pg = s.pos0 + g / group_;
-      const int64_t wlo =
-          p_.sliding_window > 0 ? pg - p_.sliding_window + 1 : 0;
-      float* l = &s.logits[g * n];
-      for (int64_t j = 0; j < n; ++j) {
-        if (lo + j > pg || lo + j < wlo) {
-          l[j] = -std::numeric_limits<float>::infinity();
-        }
-      }
-    }
-    // Softmax numerators per query head (exact: max subtracted).
-    for (int64_t g = 0; g < G; ++g) {
-      float* l = &s.logits[g * n];
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < n; ++j) m = l[j] > m ? l[j] : m;
-      float sum = 0;
-      if (m == -std::numeric_limits<float>::infinity()) {
-        // No key in range for this token (a partition before its window).
-        for (int64_t j = 0; j < n; ++j) l[j] = 0.0f;
-      } else {
-        for (int64_t j = 0; j < n; ++j) {
-          l[j] = FastExp(l[j] - m);
-          sum += l[j];
-        }
-      }
-      m_out[g] = m;
-      s_out[g] = sum;
-    }
-    // Pass 2: weighted values, one V block at a time.
-    if (g_.vllm) {
-      ValuesVllm(table, h, lo, hi, s, acc_out);
-      return;
-    }
-    for (int64_t i = 0; i < G * D; ++i) acc_out[i] = 0.0f;
-    for (int64_t c = lo / bs; c * bs < hi; ++c) {
-      const int64_t t0 = (lo > c * bs ? lo : c * bs) - c * bs;
-      const int64_t t1 = (hi < (c + 1) * bs ? hi : (c + 1) * bs) - c * bs;
-      LoadValues(table[c], h, t0, t1, s.tile.data());
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t j = c * bs + t;
-        for (int64_t g = 0; g < G; ++g) {
-          Axpy(&acc_out[g * D], s.logits[g * n + (j - lo)], &s.tile[t * D], D);
-        }
-      }
-    }
-  }
-
-  // Query tokens per chunk: a prefill chunk's tokens share K/V reads.
-  static constexpr int64_t kChunk = 16;
-
-  // The chunk of row `r` starting at token qi (the row's tokens end at qe):
-  // its token count, first position, and the union of its tokens' key
-  // ranges.
-  void Chunk(int64_t r, int64_t qi, int64_t qe, int64_t* ntok, int64_t* pos0,
-             int64_t* lo, int64_t* hi) const {
-    *ntok = std::min(kChunk, qe - qi);
-    *pos0 = rows_.seq_lens[r] - (qe - qi);
-    int64_t unused;
-    Range(*pos0, lo, &unused);
-    Range(*pos0 + *ntok - 1, &unused, hi);
-  }
-
-  // The key range of a query at `pos`.
-  void Range(int64_t pos, int64_t* lo, int64_t* hi) const {
-    *hi = pos + 1;
-    *lo = p_.sliding_window > 0
-              ? std::max<int64_t>(0, pos - p_.sliding_window + 1)
-              : 0;
-  }
-
-  void Store(int64_t qi, int64_t h, const float* acc,
-             const float* denom) const {
-    const int64_t D = c_.head_size;
-    for (int64_t g = 0; g < group_; ++g) {
-      const int64_t base = (qi * heads_ + h * group_ + g) * D;
-      const float inv = 1.0f / denom[g];
-      for (int64_t d = 0; d < D; ++d) {
-        StoreAct(out_->dtype(), out_->raw_data(), base + d,
-                 acc[g * D + d] * inv);
-      }
-    }
-  }
-
-  int64_t group() const { return group_; }
-
-  using KernelFn = void (*)(const Attender&, Scratch&, int64_t, int64_t,
-                            int64_t, int64_t, int64_t, float*, float*, float*);
-  static void BodyDefault(const Attender& a, Scratch& s, int64_t r, int64_t h,
-                          int64_t pos, int64_t lo, int64_t hi, float* m,
-                          float* sum, float* acc) {
-    a.Body(s, r, h, pos, lo, hi, m, sum, acc);
-  }
-  __attribute__((target("avx2,fma,f16c"))) static void BodyAvx2(
-      const Attender& a, Scratch& s, int64_t r, int64_t h, int64_t pos,
-      int64_t lo, int64_t hi, float* m, float* sum, float* acc) {
-    a.Body(s, r, h, pos, lo, hi, m, sum, acc);
-  }
-  __attribute__((
-      target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c"))) static void
-  BodyAvx512(const Attender& a, Scratch& s, int64_t r, int64_t h, int64_t pos,
-             int64_t lo, int64_t hi, float* m, float* sum, float* acc) {
-    a.Body(s, r, h, pos, lo, hi, m, sum, acc);
-  }
-  // The widest instruction set this CPU has, checked once per call.
-  static KernelFn Pick() {
+#ifdef KVSTEP_ATTN_X86
+bool HasAvx2() {
+  static const bool has = [] {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") &&
-        __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512dq") &&
-        __builtin_cpu_supports("avx512vl")) {
-      return BodyAvx512;
-    }
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-      return BodyAvx2;
-    }
-    return BodyDefault;
-  }
-
- private:
-  void Prefetch(int64_t block, int64_t h) const {
-    const int64_t n = c_.bytes_per_block() / c_.num_kv_heads;  // one head
-    const char* k =
-        reinterpret_cast<const char*>(k_ + g_.KeyIndex(block, h, 0, 0));
-    const char* v =
-        reinterpret_cast<const char*>(v_ + g_.ValueIndex(block, h, 0, 0));
-    if (!g_.vllm) return;  // NHD interleaves heads: the hardware prefetches
-    for (int64_t i = 0; i < n; i += 64) {
-      __builtin_prefetch(k + i);
-      __builtin_prefetch(v + i);
-    }
-  }
-
-  // vLLM key layout [D/x][bs][x]: for each token, x-wide lane sums of
-  // q * k across the D/x chunks, then one horizontal sum per token. Writes
-  // logits[g * n + off + t] for t in [t0, t1).
-  __attribute__((always_inline)) inline void KeyLogitsVllm(
-      int64_t block, int64_t h, int64_t t0, int64_t t1, Scratch& s, int64_t off,
-      int64_t n) const {
-    // x is 16 bytes of elements (the layout's definition), a compile-time
-    // constant per cache type, so the lane loops below are single vectors.
-    constexpr int64_t x = 16 / static_cast<int64_t>(sizeof(T));
-    const int64_t D = c_.head_size, bs = c_.block_size, G = s.nv;
-    const T* __restrict kb = k_ + g_.KeyIndex(block, h, 0, 0);
-    const float* __restrict qs = s.q.data();
-    if constexpr (x % 8 == 0) {
-      // Per token, four query heads at a time: accumulators stay in
-      // registers across the D/x chunks; one horizontal sum per head.
-      for (int64_t t = t0; t < t1; ++t) {
-        for (int64_t g0 = 0; g0 < G; g0 += 4) {
-          const int64_t ng = G - g0 < 4 ? G - g0 : 4;
-          F8 acc[4] = {};
-          for (int64_t dx = 0; dx < D / x; ++dx) {
-            const T* src = kb + (dx * bs + t) * x;
-            for (int64_t v8 = 0; v8 < x; v8 += 8) {
-              const F8 kv = Convert8<Elem>(src + v8, p_.k_scale);
-              for (int64_t i = 0; i < 4; ++i) {
-                if (i < ng) {
-                  acc[i] += LoadF8(&qs[(g0 + i) * D + dx * x + v8]) * kv;
-                }
-              }
-            }
-          }
-          for (int64_t i = 0; i < ng; ++i) {
-            s.logits[(g0 + i) * n + off + t] = HSum(acc[i]);
-          }
-        }
-      }
-      return;
-    } else {
-      float* __restrict lanes = s.lanes.data();  // [G][bs][x]
-      for (int64_t i = 0; i < G * bs * x; ++i) lanes[i] = 0.0f;
-      float kx[x];
-      for (int64_t dx = 0; dx < D / x; ++dx) {
-        for (int64_t t = t0; t < t1; ++t) {
-          const T* src = kb + (dx * bs + t) * x;
-          for (int64_t i = 0; i < x; ++i)
-            kx[i] = Elem::Load(src[i], p_.k_scale);
-          for (int64_t g = 0; g < G; ++g) {
-            const float* q = &qs[g * D + dx * x];
-            float* l = &lanes[(g * bs + t) * x];
-            for (int64_t i = 0; i < x; ++i) l[i] += q[i] * kx[i];
-          }
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        for (int64_t t = t0; t < t1; ++t) {
-          const float* l = &lanes[(g * bs + t) * x];
-          float sum = 0;
-          for (int64_t i = 0; i < x; ++i) sum += l[i];
-          s.logits[g * n + off + t] = sum;
-        }
-      }
-    }
-  }
-
-  // vLLM value layout [D][bs]: per dimension, bs-wide lane sums of p * v
-  // across all blocks, then one horizontal sum per (head, dimension).
-  __attribute__((always_inline)) inline void ValuesVllm(const int64_t* table,
-                                                        int64_t h, int64_t lo,
-                                                        int64_t hi, Scratch& s,
-                                                        float* acc_out) const {
-    const int64_t D = c_.head_size, bs = c_.block_size, G = s.nv;
-    const int64_t n = hi - lo;
-    const bool direct = bs % 8 == 0 && bs <= 32;
-    float* __restrict lanes = s.lanes.data();  // [G][D][bs], other sizes
-    if (!direct) {
-      for (int64_t i = 0; i < G * D * bs; ++i) lanes[i] = 0.0f;
-    }
-    for (int64_t i = 0; i < G * D; ++i) acc_out[i] = 0.0f;
-    float* __restrict p = s.acc.data();   // [G][bs]: this block's weights
-    float* __restrict v = s.tile.data();  // [bs]: one dimension of V
-    for (int64_t c = lo / bs; c * bs < hi; ++c) {
-      const int64_t t0 = (lo > c * bs ? lo : c * bs) - c * bs;
-      const int64_t t1 = (hi < (c + 1) * bs ? hi : (c + 1) * bs) - c * bs;
-      const T* vb = v_ + g_.ValueIndex(table[c], h, 0, 0);
-      for (int64_t g = 0; g < G; ++g) {
-        for (int64_t t = 0; t < bs; ++t) {
-          p[g * bs + t] =
-              t >= t0 && t < t1 ? s.logits[g * n + c * bs + t - lo] : 0.0f;
-        }
-      }
-      const bool full = t0 == 0 && t1 == bs;
-      if (direct) {
-        // Eight dimensions at a time: per head, the eight rows' products
-        // p * v (bs/8 vectors each) reduce by a transpose-sum into one
-        // vector of eight outputs, accumulated straight into acc_out.
-        F8 vrow[8][4];
-        for (int64_t d0 = 0; d0 < D; d0 += 8) {
-          for (int64_t k = 0; k < 8; ++k) {
-            const T* src = vb + (d0 + k) * bs;
-            for (int64_t t = 0; t < bs; t += 8) {
-              if (full) {
-                vrow[k][t / 8] = Convert8<Elem>(src + t, p_.v_scale);
-              } else {
-                // Slots outside [t0, t1) may be unwritten (NaN): never load.
-                float f[8];
-                for (int64_t i = 0; i < 8; ++i) {
-                  f[i] = t + i >= t0 && t + i < t1
-                             ? Elem::Load(src[t + i], p_.v_scale)
-                             : 0.0f;
-                }
-                vrow[k][t / 8] = LoadF8(f);
-              }
-            }
-          }
-          for (int64_t g = 0; g < G; ++g) {
-            F8 prod[8];
-            for (int64_t k = 0; k < 8; ++k) {
-              F8 sum = {};
-              for (int64_t t = 0; t < bs; t += 8) {
-                sum += LoadF8(&p[g * bs + t]) * vrow[k][t / 8];
-              }
-              prod[k] = sum;
-            }
-            float* o = &acc_out[g * D + d0];
-            StoreF8(o, LoadF8(o) + TransposeSum(prod));
-          }
-        }
-        continue;
-      }
-      for (int64_t d = 0; d < D; ++d) {
-        const T* src = vb + d * bs;
-        if (full) {
-          for (int64_t t = 0; t < bs; ++t)
-            v[t] = Elem::Load(src[t], p_.v_scale);
-        } else {
-          // Slots outside [t0, t1) may be unwritten (NaN): never load them.
-          for (int64_t t = 0; t < bs; ++t) {
-            v[t] = t >= t0 && t < t1 ? Elem::Load(src[t], p_.v_scale) : 0.0f;
-          }
-        }
-        for (int64_t g = 0; g < G; ++g) {
-          float* l = &lanes[(g * D + d) * bs];
-          const float* pg = &p[g * bs];
-          for (int64_t t = 0; t < bs; ++t) l[t] += pg[t] * v[t];
-        }
-      }
-    }
-    if (direct) return;  // accumulated straight into acc_out
-    for (int64_t g = 0; g < G; ++g) {
-      for (int64_t d = 0; d < D; ++d) {
-        const float* l = &lanes[(g * D + d) * bs];
-        float sum = 0;
-        for (int64_t t = 0; t < bs; ++t) sum += l[t];
-        acc_out[g * D + d] += sum;
-      }
-    }
-  }
-
-  // tile[t * D + d] = K(block, h, d, t) for t in [t0, t1).
-  void LoadKeys(int64_t block, int64_t h, int64_t t0, int64_t t1,
-                float* tile) const {
-    const int64_t D = c_.head_size;
-    if (g_.vllm) {
-      for (int64_t dx = 0; dx < D; dx += g_.x) {
-        for (int64_t t = t0; t < t1; ++t) {
-          const T* src = k_ + g_.KeyIndex(block, h, dx, t);
-          for (int64_t i = 0; i < g_.x; ++i) {
-            tile[t * D + dx + i] = Elem::Load(src[i], p_.k_scale);
-          }
-        }
-      }
-    } else {
-      for (int64_t t = t0; t < t1; ++t) {
-        const T* src = k_ + g_.KeyIndex(block, h, 0, t);
-        for (int64_t d = 0; d < D; ++d)
-          tile[t * D + d] = Elem::Load(src[d], p_.k_scale);
-      }
-    }
-  }
-  void LoadValues(int64_t block, int64_t h, int64_t t0, int64_t t1,
-                  float* tile) const {
-    const int64_t D = c_.head_size;
-    if (g_.vllm) {
-      for (int64_t d = 0; d < D; ++d) {
-        const T* src = v_ + g_.ValueIndex(block, h, d, 0);
-        for (int64_t t = t0; t < t1; ++t)
-          tile[t * D + d] = Elem::Load(src[t], p_.v_scale);
-      }
-    } else {
-      for (int64_t t = t0; t < t1; ++t) {
-        const T* src = v_ + g_.ValueIndex(block, h, 0, t);
-        for (int64_t d = 0; d < D; ++d)
-          tile[t * D + d] = Elem::Load(src[d], p_.v_scale);
-      }
-    }
-  }
-
-  const CacheConfig& c_;
-  const Geometry g_;
-  const T* k_;
-  const T* v_;
-  const Tensor& q_;
-  const AttentionRows& rows_;
-  const AttentionParams& p_;
-  Tensor* out_;
-  const int64_t heads_;
-  const int64_t group_;
-  const float scale_;
-  const KernelFn kernel_ = Pick();
-};
+    // clang 14 has no "f16c" for __builtin_cpu_supports: CPUID.1:ECX[29].
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    const bool f16c =
+        __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & (1u << 29)) != 0;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           f16c;
+  }();
+  return has;
+}
+#endif
 
 std::string RowError(int64_t r, const std::string& what) {
   return absl::StrFormat("row %d: %s", r, what);
 }
 
-template <typename Elem>
+// Schedules the kernel A (an Attender) over (row, KV head) items, or over
+// (row, KV head, partition) items plus a reduction.
+template <typename A>
 void Run(const KvCache& cache, int64_t layer, const Tensor& query,
          const AttentionRows& rows, const AttentionParams& p, ThreadPool* pool,
          Tensor* out) {
-  const Attender<Elem> a(cache, layer, query, rows, p, out);
+  const A a(cache, layer, query, rows, p, out);
   const int64_t kvh = cache.config().num_kv_heads;
   const int64_t D = cache.config().head_size;
   const int64_t G = a.group();
@@ -728,7 +248,7 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
       for (int64_t i = 0; i < n; ++i) fn(i);
     }
   };
-  constexpr int64_t kChunk = Attender<Elem>::kChunk;
+  constexpr int64_t kChunk = A::kChunk;
   if (!partitioned) {
     run(
         [&](int64_t item) {
@@ -963,8 +483,28 @@ absl::Status PagedAttention(const KvCache& cache, int64_t layer,
       Tensor::Zeros(CpuDevice(), query.dtype(), query.shape());
   if (!o.ok()) return o.status();
   *out = *std::move(o);
+  const bool vllm = c.layout == CacheLayout::kVllm;
   DispatchCache(c.dtype, [&](auto elem) {
-    Run<decltype(elem)>(cache, layer, query, rows, params, pool, out);
+    using Elem = decltype(elem);
+#ifdef KVSTEP_ATTN_X86
+    if (params.isa == AttentionParams::Isa::kBest && HasAvx2()) {
+      if (vllm) {
+        Run<avx2::Attender<Elem, true>>(cache, layer, query, rows, params, pool,
+                                        out);
+      } else {
+        Run<avx2::Attender<Elem, false>>(cache, layer, query, rows, params,
+                                         pool, out);
+      }
+      return;
+    }
+#endif
+    if (vllm) {
+      Run<portable::Attender<Elem, true>>(cache, layer, query, rows, params,
+                                          pool, out);
+    } else {
+      Run<portable::Attender<Elem, false>>(cache, layer, query, rows, params,
+                                           pool, out);
+    }
   });
   return absl::OkStatus();
 }

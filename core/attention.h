@@ -41,6 +41,11 @@ struct AttentionParams {
   enum class Kernel { kAuto, kSinglePass, kPartitioned };
   Kernel kernel = Kernel::kAuto;
   int64_t partition_size = 512;
+  // kBest runs the widest kernel this CPU has (AVX2+FMA+F16C, else
+  // portable x86-64); kPortable forces the portable one, for tests and
+  // benchmarks of that path.
+  enum class Isa { kBest, kPortable };
+  Isa isa = Isa::kBest;
 };
 
 struct AttentionRows {
