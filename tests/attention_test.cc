@@ -4,6 +4,7 @@
 // conversions and vLLM's raw cache layout.
 #include "core/attention.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -97,6 +98,7 @@ struct Case {
   CacheLayout layout = CacheLayout::kVllm;
   bool alibi = false;
   int64_t window = 0;
+  int64_t context = 37;  // row 0's decode context
   uint64_t seed = 1;
 };
 
@@ -112,8 +114,16 @@ void Check(const Case& k) {
                << k.alibi << " window " << k.window);
   std::mt19937_64 rng(k.seed);
   std::uniform_real_distribution<float> uni(-1, 1);
+  // Rows: decode, prefill chunk of 5 after a cached context, decode at a
+  // block boundary, padding.
+  const std::vector<int64_t> lens = {k.context, 23, 2 * k.block_size + 1, 1};
+  const std::vector<int64_t> qlens = {1, 5, 1, 1};
+  const int64_t width =
+      (*std::max_element(lens.begin(), lens.end()) + k.block_size - 1) /
+          k.block_size +
+      1;
   CacheConfig c;
-  c.num_blocks = 48;
+  c.num_blocks = 3 * width + 4;
   c.block_size = k.block_size;
   c.num_layers = 2;
   c.num_kv_heads = k.kv_heads;
@@ -130,13 +140,9 @@ void Check(const Case& k) {
   const float kscale = fp8 ? 0.02f : 1.0f, vscale = fp8 ? 0.03f : 1.0f;
   const int64_t layer = 1, D = k.head_size, H = k.heads, KV = k.kv_heads;
 
-  // Rows: decode, prefill chunk of 5 after a cached context, decode at a
-  // block boundary, padding.
-  const std::vector<int64_t> lens = {37, 23, 2 * k.block_size + 1, 1};
-  const std::vector<int64_t> qlens = {1, 5, 1, 1};
   AttentionRows rows;
   rows.num_real = 3;
-  rows.width = 8;
+  rows.width = width;
   rows.query_start = {0};
   for (int64_t q : qlens)
     rows.query_start.push_back(rows.query_start.back() + q);
@@ -224,9 +230,15 @@ void Check(const Case& k) {
   }
 
   ThreadPool pool(2);
-  for (auto kernel : {AttentionParams::Kernel::kSinglePass,
-                      AttentionParams::Kernel::kPartitioned}) {
+  for (auto [kernel, isa] :
+       {std::pair{AttentionParams::Kernel::kSinglePass,
+                  AttentionParams::Isa::kBest},
+        {AttentionParams::Kernel::kPartitioned, AttentionParams::Isa::kBest},
+        {AttentionParams::Kernel::kSinglePass, AttentionParams::Isa::kPortable},
+        {AttentionParams::Kernel::kPartitioned,
+         AttentionParams::Isa::kPortable}}) {
     p.kernel = kernel;
+    p.isa = isa;
     p.partition_size = 16;  // several partitions even for short contexts
     Tensor out;
     absl::Status s = PagedAttention(*cache, layer, query, rows, p, &pool, &out);
@@ -245,7 +257,8 @@ void Check(const Case& k) {
       const double want = i >= rows.query_start[3] * H * D ? 0.0 : ref[i];
       ASSERT_NEAR(got, want,
                   atol + 1e-5 * std::fabs(want) + ulp * std::fabs(want))
-          << "element " << i << " kernel " << static_cast<int>(kernel);
+          << "element " << i << " kernel " << static_cast<int>(kernel)
+          << " isa " << static_cast<int>(isa);
     }
   }
 }
@@ -308,6 +321,48 @@ TEST(PagedAttention, AlibiAndSlidingWindow) {
       Check(k);
       if (HasFatalFailure()) return;
     }
+  }
+}
+
+// Long contexts (many blocks, several 512-token partitions), GQA groups
+// that do not fill the kernel's register tiles (3 query heads per KV head),
+// block sizes of 24 and 48 (48: the vLLM layout's element-wise path), and
+// head sizes that are not a multiple of 8 (element-wise path).
+TEST(PagedAttention, LongContextsOddGroupsAndShapes) {
+  for (CacheLayout layout : {CacheLayout::kVllm, CacheLayout::kNhd}) {
+    for (DType d : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+      Case k;
+      k.cache = d;
+      k.act = d;
+      k.layout = layout;
+      k.heads = 6;
+      k.kv_heads = 2;
+      k.head_size = 128;
+      k.context = 1100;
+      Check(k);
+      if (HasFatalFailure()) return;
+    }
+    for (int64_t bs : {24, 48}) {
+      Case k;
+      k.layout = layout;
+      k.block_size = bs;
+      k.heads = 3;
+      k.kv_heads = 1;
+      k.context = 200;
+      Check(k);
+      if (HasFatalFailure()) return;
+    }
+    Case k;
+    k.layout = layout;
+    k.head_size = 20;  // vLLM: a multiple of x = 4 (fp32)
+    k.block_size = 5;
+    k.heads = 2;
+    k.kv_heads = 2;
+    k.context = 60;
+    k.window = 17;
+    k.alibi = true;
+    Check(k);
+    if (HasFatalFailure()) return;
   }
 }
 
