@@ -7,7 +7,11 @@
 // advised to use huge pages. The goal: >= 80% of read bandwidth for
 // contexts of 1k and longer.
 //
-//   build/bench/attention_bench [--full] [--seconds=0.3]
+//   build/bench/attention_bench [--full] [--seconds=0.3] [--layout=nhd]
+//       [--no_baseline]
+//       [--dtype=bfloat16] [--context=N] [--batch=N] [--threads=N]
+//       [--kernel=v1|v2] [--portable]
+// (the filters run one slice of the grid, e.g. under perf).
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -70,19 +74,27 @@ void Baseline(size_t bytes, int threads, double* read_gbs, double* copy_gbs) {
 }
 
 struct Result {
-  double gbs;
-  double us;
+  double gbs;  // mean over the run
+  double us;   // mean per call
+  double best_us;
+};
+
+struct Options {
+  kvstep::CacheLayout layout = kvstep::CacheLayout::kVllm;
+  AttentionParams params;
+  double seconds = 0.3;
 };
 
 Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
-               double seconds) {
+               const Options& o) {
+  const double seconds = o.seconds;
   CacheConfig c;
   c.block_size = 16;
   c.num_kv_heads = 8;
   c.head_size = 128;
   c.num_layers = 1;
   c.dtype = dtype;
-  c.layout = CacheLayout::kVllm;
+  c.layout = o.layout;
   const int64_t per_row = (ctx + 15) / 16;
   c.num_blocks = per_row * batch;
   auto cache = *KvCache::Create(c, CpuDevice());
@@ -102,20 +114,22 @@ Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
   Tensor q = *Tensor::Zeros(CpuDevice(), act, {batch, 32, 128});
   std::memset(q.raw_data(), 0x11, q.nbytes());
   ThreadPool pool(threads);
-  AttentionParams p;
+  const AttentionParams& p = o.params;
   Tensor out;
   const double bytes = 2.0 * batch * ctx * c.num_kv_heads * c.head_size *
                        static_cast<double>(DTypeSize(dtype));
   (void)PagedAttention(*cache, 0, q, rows, p, &pool, &out);  // warm
   int iters = 0;
   const double start = Now();
-  double elapsed = 0;
+  double elapsed = 0, best = 1e30;
   while (elapsed < seconds || iters < 3) {
+    const double t = Now();
     (void)PagedAttention(*cache, 0, q, rows, p, &pool, &out);
+    best = std::min(best, Now() - t);
     ++iters;
     elapsed = Now() - start;
   }
-  return {bytes * iters / elapsed / 1e9, elapsed / iters * 1e6};
+  return {bytes * iters / elapsed / 1e9, elapsed / iters * 1e6, best * 1e6};
 }
 
 }  // namespace
@@ -123,43 +137,94 @@ Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
 
 int main(int argc, char** argv) {
   using kvstep::DType;
-  bool full = false;
-  double seconds = 0.3;
+  bool full = false, baseline = true;
+  kvstep::Options o;
+  std::string only_dtype;
+  int64_t only_ctx = 0, only_batch = 0, only_threads = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--full") full = true;
-    if (a.rfind("--seconds=", 0) == 0) seconds = std::stod(a.substr(10));
+    auto value = [&](const char* flag) -> const char* {
+      const size_t n = std::strlen(flag);
+      return a.compare(0, n, flag) == 0 ? a.c_str() + n : nullptr;
+    };
+    if (a == "--full") {
+      full = true;
+    } else if (a == "--no_baseline") {
+      baseline = false;
+    } else if (a == "--portable") {
+      o.params.isa = kvstep::AttentionParams::Isa::kPortable;
+    } else if (a == "--layout=nhd") {
+      o.layout = kvstep::CacheLayout::kNhd;
+    } else if (a == "--layout=vllm") {
+      o.layout = kvstep::CacheLayout::kVllm;
+    } else if (a == "--kernel=v1") {
+      o.params.kernel = kvstep::AttentionParams::Kernel::kSinglePass;
+    } else if (a == "--kernel=v2") {
+      o.params.kernel = kvstep::AttentionParams::Kernel::kPartitioned;
+    } else if (const char* v = value("--seconds=")) {
+      o.seconds = std::stod(v);
+    } else if (const char* v = value("--dtype=")) {
+      only_dtype = v;
+    } else if (const char* v = value("--context=")) {
+      only_ctx = std::stoll(v);
+    } else if (const char* v = value("--batch=")) {
+      only_batch = std::stoll(v);
+    } else if (const char* v = value("--threads=")) {
+      only_threads = std::stoll(v);
+    } else {
+      std::fprintf(stderr, "unknown flag %s (see the top of %s)\n", a.c_str(),
+                   __FILE__);
+      return 2;
+    }
   }
   double read1 = 0, read2 = 0, copy_gbs = 0;
-  kvstep::Baseline(size_t{1} << 30, 1, &read1, &copy_gbs);
-  kvstep::Baseline(size_t{1} << 30, 2, &read2, &copy_gbs);
+  if (baseline) {
+    kvstep::Baseline(size_t{1} << 30, 1, &read1, &copy_gbs);
+    kvstep::Baseline(size_t{1} << 30, 2, &read2, &copy_gbs);
+  }
   std::printf(
       "baseline (same run, 1 GiB warm): read %.1f GB/s (1 thread), %.1f GB/s "
       "(2 threads), copy %.1f GB/s; \"of read\" uses the same thread count\n",
       read1, read2, copy_gbs);
-  std::printf("%-9s %7s %6s %8s %10s %9s %10s\n", "dtype", "context", "batch",
-              "threads", "us/call", "KV GB/s", "of read");
+  std::printf(
+      "layout %s, kernel %s, %s instruction set; 32 query heads over 8 KV "
+      "heads, head 128, block 16, random block tables\n",
+      o.layout == kvstep::CacheLayout::kVllm ? "vllm" : "nhd",
+      o.params.kernel == kvstep::AttentionParams::Kernel::kSinglePass ? "v1"
+      : o.params.kernel == kvstep::AttentionParams::Kernel::kPartitioned
+          ? "v2"
+          : "auto",
+      o.params.isa == kvstep::AttentionParams::Isa::kPortable ? "portable"
+                                                              : "best");
+  std::printf("%-9s %7s %6s %8s %10s %10s %9s %10s\n", "dtype", "context",
+              "batch", "threads", "us/call", "best us", "KV GB/s", "of read");
   const std::vector<int64_t> contexts =
       full ? std::vector<int64_t>{128, 512, 1024, 2048, 4096, 8192}
            : std::vector<int64_t>{128, 1024, 4096};
   const std::vector<int64_t> batches =
       full ? std::vector<int64_t>{1, 16, 64, 256} : std::vector<int64_t>{1, 16};
   for (DType d : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    if (!only_dtype.empty() && only_dtype != kvstep::DTypeName(d)) continue;
     for (int64_t ctx : contexts) {
+      if (only_ctx != 0) ctx = only_ctx;
       for (int64_t batch : batches) {
+        if (only_batch != 0) batch = only_batch;
         // Keep each pool under 2 GiB.
         if (2.0 * batch * ctx * 8 * 128 * kvstep::DTypeSize(d) > 2e9) continue;
         for (int threads : {1, 2}) {
-          const kvstep::Result r =
-              kvstep::Measure(d, ctx, batch, threads, seconds);
-          std::printf("%-9s %7ld %6ld %8d %10.1f %9.2f %9.0f%%\n",
+          if (only_threads != 0 && threads != only_threads) continue;
+          const kvstep::Result r = kvstep::Measure(d, ctx, batch, threads, o);
+          const double read = threads == 1 ? read1 : read2;
+          std::printf("%-9s %7ld %6ld %8d %10.1f %10.1f %9.2f %9.0f%%\n",
                       std::string(kvstep::DTypeName(d)).c_str(),
                       static_cast<long>(ctx), static_cast<long>(batch), threads,
-                      r.us, r.gbs,
-                      100.0 * r.gbs / (threads == 1 ? read1 : read2));
+                      r.us, r.best_us, r.gbs,
+                      read > 0 ? 100.0 * r.gbs / read : 0.0);
           std::fflush(stdout);
         }
+        if (only_batch != 0) break;
       }
+      if (only_ctx != 0) break;
     }
   }
   return 0;
