@@ -1,9 +1,9 @@
 #include "core/attention.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
-#include <cstdlib>
 #include <limits>
 #include <string>
 #include <vector>
@@ -38,19 +38,6 @@ inline float LoadAct(DType d, const void* p, int64_t i) {
       return BF16ToFloat(static_cast<const uint16_t*>(p)[i]);
     default:
       return static_cast<const float*>(p)[i];
-  }
-}
-
-inline void StoreAct(DType d, void* p, int64_t i, float v) {
-  switch (d) {
-    case DType::kFloat16:
-      static_cast<uint16_t*>(p)[i] = FloatToHalf(v);
-      break;
-    case DType::kBFloat16:
-      static_cast<uint16_t*>(p)[i] = FloatToBF16(v);
-      break;
-    default:
-      static_cast<float*>(p)[i] = v;
   }
 }
 
@@ -169,10 +156,11 @@ __attribute__((always_inline)) inline void Axpy(float* y, float a,
 
 // One work item's scratch, reused across the item's chunks.
 struct Scratch {
-  std::vector<float> q;        // [virtual heads][head_size], scaled
-  std::vector<float> logits;   // [virtual heads][keys, padded to 8]
-  std::vector<float> lanes;    // vLLM values: [virtual heads][head_size][8]
-  std::vector<float> weights;  // a partial block's weights, zero-padded
+  std::vector<float> q;          // [virtual heads][head_size], scaled
+  std::vector<float> logits;     // [virtual heads][keys, padded to 8]
+  std::vector<float> lanes;      // vLLM values: [virtual heads][head_size][8]
+  std::vector<float> weights;    // a partial block's weights, zero-padded
+  std::vector<float> m, s, acc;  // a chunk's results (Partial's outputs)
 };
 
 // The kernel, once per instruction set (see core/attention_kernel.inc).
@@ -250,20 +238,36 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
     }
   };
   constexpr int64_t kChunk = A::kChunk;
-  if (!partitioned) {
+  // Items with a scratch per participating thread, reused across its items
+  // (a fresh one per item cost a malloc and a memset of tens of KB each)
+  // and freed when the call returns. Items are claimed from a counter, so
+  // uneven ones still balance.
+  const int64_t slots = pool != nullptr ? pool->num_threads() : 1;
+  auto run_items = [&](const std::function<void(Scratch&, int64_t)>& fn,
+                       int64_t n) {
+    std::atomic<int64_t> next{0};
     run(
-        [&](int64_t item) {
+        [&](int64_t) {
+          Scratch scratch;
+          scratch.m.resize(kChunk * G);
+          scratch.s.resize(kChunk * G);
+          scratch.acc.resize(kChunk * G * D);
+          for (int64_t i = next++; i < n; i = next++) fn(scratch, i);
+        },
+        std::min(slots, n));
+  };
+  if (!partitioned) {
+    run_items(
+        [&](Scratch& scratch, int64_t item) {
           const int64_t r = item / kvh, h = item % kvh;
           const int64_t qs = rows.query_start[r], qe = rows.query_start[r + 1];
-          Scratch scratch;  // per item: no thread-local state to leak
-          std::vector<float> m(kChunk * G), s(kChunk * G), acc(kChunk * G * D);
           for (int64_t qi = qs; qi < qe; qi += kChunk) {
             int64_t ntok, pos0, lo, hi;
             a.Chunk(r, qi, qe, &ntok, &pos0, &lo, &hi);
-            a.Partial(scratch, r, h, qi, ntok, pos0, lo, hi, m.data(), s.data(),
-                      acc.data());
+            a.Partial(scratch, r, h, qi, ntok, pos0, lo, hi, scratch.m.data(),
+                      scratch.s.data(), scratch.acc.data());
             for (int64_t k = 0; k < ntok; ++k) {
-              a.Store(qi + k, h, &acc[k * G * D], &s[k * G]);
+              a.Store(qi + k, h, &scratch.acc[k * G * D], &scratch.s[k * G]);
             }
           }
         },
@@ -276,21 +280,21 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   const int64_t stride = G * (D + 2);  // m, s, acc per query head
   std::vector<float> partial(static_cast<size_t>(T * kvh * max_parts * stride));
   std::vector<uint8_t> used(static_cast<size_t>(T * kvh * max_parts), 0);
-  run(
-      [&](int64_t item) {
+  run_items(
+      [&](Scratch& scratch, int64_t item) {
         const int64_t part = item % max_parts;
         const int64_t r = item / max_parts / kvh, h = (item / max_parts) % kvh;
         const int64_t qs = rows.query_start[r], qe = rows.query_start[r + 1];
-        Scratch scratch;
-        std::vector<float> m(kChunk * G), s(kChunk * G), acc(kChunk * G * D);
+        float* m = scratch.m.data();
+        float* s = scratch.s.data();
+        float* acc = scratch.acc.data();
         for (int64_t qi = qs; qi < qe; qi += kChunk) {
           int64_t ntok, pos0, lo, hi;
           a.Chunk(r, qi, qe, &ntok, &pos0, &lo, &hi);
           lo = std::max(lo, part * P);
           hi = std::min(hi, (part + 1) * P);
           if (lo >= hi) continue;
-          a.Partial(scratch, r, h, qi, ntok, pos0, lo, hi, m.data(), s.data(),
-                    acc.data());
+          a.Partial(scratch, r, h, qi, ntok, pos0, lo, hi, m, s, acc);
           for (int64_t k = 0; k < ntok; ++k) {
             int64_t own_lo, own_hi;
             a.Range(pos0 + k, &own_lo, &own_hi);
