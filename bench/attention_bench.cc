@@ -3,14 +3,14 @@
 // For each (dtype, context, batch, threads): K+V bytes the kernel must read
 // per second, next to the same run's STREAM-like read and copy bandwidth
 // over a warm 1 GiB buffer. Geometry: 32 query heads over 8 KV heads (GQA
-// 4), head 128, block 16, random block tables; the pool is pre-touched and
-// advised to use huge pages. The goal: >= 80% of read bandwidth for
-// contexts of 1k and longer.
+// 4; --kv_heads changes it), head 128, block 16, random block tables; the pool
+// is pre-touched and advised to use huge pages. The goal: >= 80% of read
+// bandwidth for contexts of 1k and longer.
 //
 //   build/bench/attention_bench [--full] [--seconds=0.3] [--layout=nhd]
 //       [--no_baseline]
 //       [--dtype=bfloat16] [--context=N] [--batch=N] [--threads=N]
-//       [--kernel=v1|v2] [--portable]
+//       [--kernel=v1|v2] [--portable] [--kv_heads=8]
 // (the filters run one slice of the grid, e.g. under perf).
 #include <algorithm>
 #include <atomic>
@@ -83,6 +83,7 @@ struct Options {
   kvstep::CacheLayout layout = kvstep::CacheLayout::kVllm;
   AttentionParams params;
   double seconds = 0.3;
+  int64_t kv_heads = 8;  // of 32 query heads
 };
 
 Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
@@ -90,7 +91,7 @@ Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
   const double seconds = o.seconds;
   CacheConfig c;
   c.block_size = 16;
-  c.num_kv_heads = 8;
+  c.num_kv_heads = o.kv_heads;
   c.head_size = 128;
   c.num_layers = 1;
   c.dtype = dtype;
@@ -161,6 +162,12 @@ int main(int argc, char** argv) {
       o.params.kernel = kvstep::AttentionParams::Kernel::kSinglePass;
     } else if (a == "--kernel=v2") {
       o.params.kernel = kvstep::AttentionParams::Kernel::kPartitioned;
+    } else if (const char* v = value("--kv_heads=")) {
+      o.kv_heads = std::stoll(v);
+      if (o.kv_heads < 1 || 32 % o.kv_heads != 0) {
+        std::fprintf(stderr, "--kv_heads must divide 32\n");
+        return 2;
+      }
     } else if (const char* v = value("--seconds=")) {
       o.seconds = std::stod(v);
     } else if (const char* v = value("--dtype=")) {
@@ -187,7 +194,7 @@ int main(int argc, char** argv) {
       "(2 threads), copy %.1f GB/s; \"of read\" uses the same thread count\n",
       read1, read2, copy_gbs);
   std::printf(
-      "layout %s, kernel %s, %s instruction set; 32 query heads over 8 KV "
+      "layout %s, kernel %s, %s instruction set; 32 query heads over %ld KV "
       "heads, head 128, block 16, random block tables\n",
       o.layout == kvstep::CacheLayout::kVllm ? "vllm" : "nhd",
       o.params.kernel == kvstep::AttentionParams::Kernel::kSinglePass ? "v1"
@@ -195,7 +202,8 @@ int main(int argc, char** argv) {
           ? "v2"
           : "auto",
       o.params.isa == kvstep::AttentionParams::Isa::kPortable ? "portable"
-                                                              : "best");
+                                                              : "best",
+      static_cast<long>(o.kv_heads));
   std::printf("%-9s %7s %6s %8s %10s %10s %9s %10s\n", "dtype", "context",
               "batch", "threads", "us/call", "best us", "KV GB/s", "of read");
   const std::vector<int64_t> contexts =
@@ -210,7 +218,8 @@ int main(int argc, char** argv) {
       for (int64_t batch : batches) {
         if (only_batch != 0) batch = only_batch;
         // Keep each pool under 2 GiB.
-        if (2.0 * batch * ctx * 8 * 128 * kvstep::DTypeSize(d) > 2e9) continue;
+        if (2.0 * batch * ctx * o.kv_heads * 128 * kvstep::DTypeSize(d) > 2e9)
+          continue;
         for (int threads : {1, 2}) {
           if (only_threads != 0 && threads != only_threads) continue;
           const kvstep::Result r = kvstep::Measure(d, ctx, batch, threads, o);
