@@ -395,6 +395,22 @@ absl::Status ReshapeAndCache(const KvCache& cache, int64_t layer,
   return absl::OkStatus();
 }
 
+namespace internal {
+void ConvertCacheElements(DType dtype, const void* src, int64_t n, float scale,
+                          AttentionParams::Isa isa, float* out) {
+  DispatchCache(dtype, [&](auto elem) {
+    using Elem = decltype(elem);
+#ifdef KVSTEP_ATTN_X86
+    if (isa == AttentionParams::Isa::kBest && HasAvx2()) {
+      avx2::ConvertRow<Elem>(src, n, scale, out);
+      return;
+    }
+#endif
+    portable::ConvertRow<Elem>(src, n, scale, out);
+  });
+}
+}  // namespace internal
+
 absl::Status ValidateAttention(const CacheConfig& c, const Tensor& query,
                                const AttentionRows& rows,
                                const AttentionParams& p) {

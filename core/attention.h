@@ -78,6 +78,13 @@ absl::Status PagedAttention(const KvCache& cache, int64_t layer,
                             const AttentionParams& params, ThreadPool* pool,
                             Tensor* out);
 
+namespace internal {
+// The kernel's vector conversion of n cache elements of `dtype` (times
+// `scale` for fp8) to floats, for tests.
+void ConvertCacheElements(DType dtype, const void* src, int64_t n, float scale,
+                          AttentionParams::Isa isa, float* out);
+}  // namespace internal
+
 }  // namespace kvstep
 
 #endif  // KVSTEP_CORE_ATTENTION_H_

@@ -57,6 +57,45 @@ TEST(FloatConvert, RoundTripsEveryCode) {
   }
 }
 
+// The kernel's vector conversions (both instruction-set builds) against
+// the scalar decoders, over every fp16, bf16 and fp8 code.
+TEST(FloatConvert, KernelConversionsMatchTheScalarDecoders) {
+  std::vector<uint16_t> h(0x10000);
+  for (uint32_t i = 0; i < 0x10000; ++i) h[i] = static_cast<uint16_t>(i);
+  std::vector<uint8_t> b(256);
+  for (int i = 0; i < 256; ++i) b[i] = static_cast<uint8_t>(i);
+  auto same = [](float got, float want) {
+    return std::isnan(want) ? std::isnan(got)
+                            : FloatBits(got) == FloatBits(want);
+  };
+  for (auto isa :
+       {AttentionParams::Isa::kBest, AttentionParams::Isa::kPortable}) {
+    std::vector<float> out(0x10000);
+    internal::ConvertCacheElements(DType::kFloat16, h.data(), 0x10000, 1, isa,
+                                   out.data());
+    for (uint32_t i = 0; i < 0x10000; ++i) {
+      ASSERT_TRUE(same(out[i], HalfToFloat(h[i]))) << "fp16 " << i;
+    }
+    internal::ConvertCacheElements(DType::kBFloat16, h.data(), 0x10000, 1, isa,
+                                   out.data());
+    for (uint32_t i = 0; i < 0x10000; ++i) {
+      ASSERT_TRUE(same(out[i], BF16ToFloat(h[i]))) << "bf16 " << i;
+    }
+    for (float scale : {1.0f, 0.02f}) {
+      internal::ConvertCacheElements(DType::kFp8E4M3, b.data(), 256, scale, isa,
+                                     out.data());
+      for (int i = 0; i < 256; ++i) {
+        ASSERT_TRUE(same(out[i], Fp8E4M3ToFloat(b[i]) * scale)) << "e4m3 " << i;
+      }
+      internal::ConvertCacheElements(DType::kFp8E5M2, b.data(), 256, scale, isa,
+                                     out.data());
+      for (int i = 0; i < 256; ++i) {
+        ASSERT_TRUE(same(out[i], Fp8E5M2ToFloat(b[i]) * scale)) << "e5m2 " << i;
+      }
+    }
+  }
+}
+
 float Quantize(DType d, float v, float scale) {
   switch (d) {
     case DType::kFloat16:
