@@ -6,6 +6,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -157,6 +158,7 @@ __attribute__((always_inline)) inline void Axpy(float* y, float a,
 // One work item's scratch, reused across the item's chunks.
 struct Scratch {
   std::vector<float> q;          // [virtual heads][head_size], scaled
+  std::vector<float> q2;         // q as even/odd dims, for bf16 key pairs
   std::vector<float> logits;     // [virtual heads][keys, padded to 8]
   std::vector<float> lanes;      // vLLM values: [virtual heads][head_size][8]
   std::vector<float> weights;    // a partial block's weights, zero-padded

@@ -365,6 +365,7 @@ TEST(PagedAttention, AlibiAndSlidingWindow) {
 
 // Long contexts (many blocks, several 512-token partitions), GQA groups
 // that do not fill the kernel's register tiles (3 query heads per KV head),
+// windows that start keys mid-block (and at odd offsets: bf16 key pairs),
 // block sizes of 24 and 48 (48: the vLLM layout's element-wise path), and
 // head sizes that are not a multiple of 8 (element-wise path).
 TEST(PagedAttention, LongContextsOddGroupsAndShapes) {
@@ -378,6 +379,19 @@ TEST(PagedAttention, LongContextsOddGroupsAndShapes) {
       k.kv_heads = 2;
       k.head_size = 128;
       k.context = 1100;
+      Check(k);
+      if (HasFatalFailure()) return;
+    }
+    for (int64_t window : {0, 37}) {  // 37: keys start mid-block
+      Case k;
+      k.cache = DType::kBFloat16;
+      k.act = DType::kBFloat16;
+      k.layout = layout;
+      k.heads = 8;
+      k.kv_heads = 2;
+      k.context = 300;
+      k.window = window;
+      k.alibi = window > 0;
       Check(k);
       if (HasFatalFailure()) return;
     }
