@@ -1,11 +1,12 @@
 // Decode attention throughput against memory bandwidth, in one run.
 //
 // For each (dtype, context, batch, threads): K+V bytes the kernel must read
-// per second, next to the same run's STREAM-like read and copy bandwidth
-// over a warm 1 GiB buffer. Geometry: 32 query heads over 8 KV heads (GQA
-// 4; --kv_heads changes it), head 128, block 16, random block tables; the pool
-// is pre-touched and advised to use huge pages. The goal: >= 80% of read
-// bandwidth for contexts of 1k and longer.
+// per second, next to a STREAM-like read bandwidth measured just before the
+// case at the same thread count (and, once at the start, read and copy
+// bandwidth over a warm 1 GiB buffer). Geometry: 32 query heads over 8 KV
+// heads (GQA 4; --kv_heads changes it), head 128, block 16, random block
+// tables; the pool is pre-touched and advised to use huge pages. The goal:
+// >= 80% of read bandwidth for contexts of 1k and longer.
 //
 //   build/bench/attention_bench [--full] [--seconds=0.3] [--layout=nhd]
 //       [--no_baseline]
@@ -35,43 +36,65 @@ double Now() {
       .count();
 }
 
-// GB/s of a read-only pass over `bytes` warm bytes on `threads` threads
-// (each reads its own half), and of a single-thread copy. The read sums
-// 64-bit integers in 8 independent lanes (vectorized, so memory and not add
-// latency bounds it); the copy is checked so it cannot be elided. Best of 5.
-void Baseline(size_t bytes, int threads, double* read_gbs, double* copy_gbs) {
-  std::vector<uint64_t> a(bytes / 8), b(bytes / 8, 0);
-  for (size_t i = 0; i < a.size(); ++i) a[i] = i;
-  double best_read = 0, best_copy = 0;
-  std::atomic<uint64_t> sink{0};
-  auto part = [&](size_t lo, size_t hi) {
-    uint64_t s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (size_t i = lo; i + 8 <= hi; i += 8) {
-      for (int k = 0; k < 8; ++k) s[k] += a[i + k];
-    }
-    uint64_t total = 0;
-    for (uint64_t v : s) total += v;
-    sink += total;
-  };
-  for (int rep = 0; rep < 5; ++rep) {
-    double t = Now();
-    std::vector<std::thread> ts;
-    const size_t chunk = a.size() / threads;
-    for (int k = 1; k < threads; ++k) {
-      ts.emplace_back(part, k * chunk, (k + 1) * chunk);
-    }
-    part(0, chunk);
-    for (std::thread& th : ts) th.join();
-    best_read = std::max(best_read, bytes / (Now() - t) / 1e9);
-    t = Now();
-    std::memcpy(b.data(), a.data(), bytes);
-    best_copy = std::max(best_copy, 2.0 * bytes / (Now() - t) / 1e9);
-    sink += b[rep * 12345 % b.size()];
+// STREAM-like bandwidth over a warm buffer, kept for the whole run so that
+// each case can be compared with the read bandwidth of the same moment (a
+// neighbour on this shared VM moves it by 25% or more within minutes).
+class Bandwidth {
+ public:
+  explicit Bandwidth(size_t bytes) : a_(bytes / 8) {
+    for (size_t i = 0; i < a_.size(); ++i) a_[i] = i;
   }
-  *read_gbs = best_read;
-  *copy_gbs = best_copy;
-  if (sink == 42) std::printf(" ");
-}
+
+  // GB/s of reading the first `bytes` on `threads` threads (each its own
+  // share), best of `reps`. The read sums 64-bit integers in 8 independent
+  // lanes (vectorized, so memory and not add latency bounds it).
+  double Read(int threads, size_t bytes, int reps) {
+    const size_t n = std::min(bytes / 8, a_.size());
+    double best = 0;
+    auto part = [&](size_t lo, size_t hi) {
+      uint64_t s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (size_t i = lo; i + 8 <= hi; i += 8) {
+        for (int k = 0; k < 8; ++k) s[k] += a_[i + k];
+      }
+      uint64_t total = 0;
+      for (uint64_t v : s) total += v;
+      sink_ += total;
+    };
+    for (int rep = 0; rep < reps; ++rep) {
+      const double t = Now();
+      std::vector<std::thread> ts;
+      const size_t chunk = n / threads;
+      for (int k = 1; k < threads; ++k) {
+        ts.emplace_back(part, k * chunk, (k + 1) * chunk);
+      }
+      part(0, chunk);
+      for (std::thread& th : ts) th.join();
+      best = std::max(best, 8.0 * n / (Now() - t) / 1e9);
+    }
+    return best;
+  }
+
+  // GB/s (read plus written bytes) of a single-thread memcpy, best of 5.
+  double Copy() {
+    std::vector<uint64_t> b(a_.size(), 0);
+    double best = 0;
+    for (int rep = 0; rep < 5; ++rep) {
+      const double t = Now();
+      std::memcpy(b.data(), a_.data(), a_.size() * 8);
+      best = std::max(best, 16.0 * a_.size() / (Now() - t) / 1e9);
+      sink_ += b[rep * 12345 % b.size()];
+    }
+    return best;
+  }
+
+  ~Bandwidth() {
+    if (sink_ == 42) std::printf(" ");  // keeps the sums alive
+  }
+
+ private:
+  std::vector<uint64_t> a_;
+  std::atomic<uint64_t> sink_{0};
+};
 
 struct Result {
   double gbs;  // mean over the run
@@ -184,16 +207,17 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  double read1 = 0, read2 = 0, copy_gbs = 0;
+  kvstep::Bandwidth bw(baseline ? size_t{1} << 30 : 64 << 20);
   if (baseline) {
-    kvstep::Baseline(size_t{1} << 30, 1, &read1, &copy_gbs);
-    kvstep::Baseline(size_t{1} << 30, 2, &read2, &copy_gbs);
+    const double read1 = bw.Read(1, size_t{1} << 30, 5);
+    const double read2 = bw.Read(2, size_t{1} << 30, 5);
+    std::printf(
+        "baseline (1 GiB warm, best of 5): read %.1f GB/s (1 thread), %.1f "
+        "GB/s (2 threads), copy %.1f GB/s; each case's \"read\" is measured "
+        "again just before it (best of 3 over 512 MiB, same thread count), "
+        "and \"of read\" is the kernel's best call against it\n",
+        read1, read2, bw.Copy());
   }
-  std::printf(
-      "baseline (same run, 1 GiB warm): read %.1f GB/s (1 thread), %.1f GB/s "
-      "(2 threads), copy %.1f GB/s, each the best of 5 passes; \"of read\" "
-      "is the kernel's best call against the read at its thread count\n",
-      read1, read2, copy_gbs);
   std::printf(
       "layout %s, kernel %s, %s instruction set; 32 query heads over %ld KV "
       "heads, head 128, block 16, random block tables\n",
@@ -205,9 +229,9 @@ int main(int argc, char** argv) {
       o.params.isa == kvstep::AttentionParams::Isa::kPortable ? "portable"
                                                               : "best",
       static_cast<long>(o.kv_heads));
-  std::printf("%-9s %7s %6s %8s %10s %10s %9s %9s %8s\n", "dtype", "context",
-              "batch", "threads", "us/call", "best us", "mean GB/s",
-              "best GB/s", "of read");
+  std::printf("%-9s %7s %6s %8s %10s %10s %9s %9s %9s %8s\n", "dtype",
+              "context", "batch", "threads", "us/call", "best us", "mean GB/s",
+              "best GB/s", "read GB/s", "of read");
   const std::vector<int64_t> contexts =
       full ? std::vector<int64_t>{128, 512, 1024, 2048, 4096, 8192}
            : std::vector<int64_t>{128, 1024, 4096};
@@ -224,15 +248,16 @@ int main(int argc, char** argv) {
           continue;
         for (int threads : {1, 2}) {
           if (only_threads != 0 && threads != only_threads) continue;
+          const double read =
+              baseline ? bw.Read(threads, size_t{512} << 20, 3) : 0.0;
           const kvstep::Result r = kvstep::Measure(d, ctx, batch, threads, o);
-          const double read = threads == 1 ? read1 : read2;
-          // Best against best: the baseline is the best of five passes.
+          // Best against best: the read is the best of three passes.
           const double best_gbs = r.gbs * r.us / r.best_us;
-          std::printf("%-9s %7ld %6ld %8d %10.1f %10.1f %9.2f %9.2f %7.0f%%\n",
-                      std::string(kvstep::DTypeName(d)).c_str(),
-                      static_cast<long>(ctx), static_cast<long>(batch), threads,
-                      r.us, r.best_us, r.gbs, best_gbs,
-                      read > 0 ? 100.0 * best_gbs / read : 0.0);
+          std::printf(
+              "%-9s %7ld %6ld %8d %10.1f %10.1f %9.2f %9.2f %9.2f %7.0f%%\n",
+              std::string(kvstep::DTypeName(d)).c_str(), static_cast<long>(ctx),
+              static_cast<long>(batch), threads, r.us, r.best_us, r.gbs,
+              best_gbs, read, read > 0 ? 100.0 * best_gbs / read : 0.0);
           std::fflush(stdout);
         }
         if (only_batch != 0) break;
