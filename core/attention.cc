@@ -155,7 +155,7 @@ __attribute__((always_inline)) inline void Axpy(float* y, float a,
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-// One work item's scratch, reused across the item's chunks.
+// A thread's scratch, reused across its items and their chunks.
 struct Scratch {
   std::vector<float> q;          // [virtual heads][head_size], scaled
   std::vector<float> q2;         // q as even/odd dims, for bf16 key pairs

@@ -141,6 +141,17 @@ struct Case {
   uint64_t seed = 1;
 };
 
+Case Make(CacheLayout layout, DType cache, DType act, int64_t heads,
+          int64_t kv_heads) {
+  Case k;
+  k.layout = layout;
+  k.cache = cache;
+  k.act = act;
+  k.heads = heads;
+  k.kv_heads = kv_heads;
+  return k;
+}
+
 // Builds a cache and a batch (two decode rows, one prefill chunk, one
 // padding row), writes every cached position through ReshapeAndCache, and
 // checks both kernels against the fp64 reference.
@@ -333,13 +344,8 @@ TEST(PagedAttention, DtypesAndGqaRatios) {
     for (auto [heads, kv] :
          {std::pair<int64_t, int64_t>{8, 8}, {8, 2}, {8, 1}}) {
       for (CacheLayout layout : {CacheLayout::kVllm, CacheLayout::kNhd}) {
-        Case k;
-        k.cache = d.cache;
-        k.act = d.act;
-        k.heads = heads;
-        k.kv_heads = kv;
+        Case k = Make(layout, d.cache, d.act, heads, kv);
         k.head_size = 128;
-        k.layout = layout;
         Check(k);
         if (HasFatalFailure()) return;
       }
@@ -371,24 +377,14 @@ TEST(PagedAttention, AlibiAndSlidingWindow) {
 TEST(PagedAttention, LongContextsOddGroupsAndShapes) {
   for (CacheLayout layout : {CacheLayout::kVllm, CacheLayout::kNhd}) {
     for (DType d : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
-      Case k;
-      k.cache = d;
-      k.act = d;
-      k.layout = layout;
-      k.heads = 6;
-      k.kv_heads = 2;
+      Case k = Make(layout, d, d, 6, 2);
       k.head_size = 128;
       k.context = 1100;
       Check(k);
       if (HasFatalFailure()) return;
     }
     for (int64_t window : {0, 37}) {  // 37: keys start mid-block
-      Case k;
-      k.cache = DType::kBFloat16;
-      k.act = DType::kBFloat16;
-      k.layout = layout;
-      k.heads = 8;
-      k.kv_heads = 2;
+      Case k = Make(layout, DType::kBFloat16, DType::kBFloat16, 8, 2);
       k.context = 300;
       k.window = window;
       k.alibi = window > 0;
@@ -396,21 +392,15 @@ TEST(PagedAttention, LongContextsOddGroupsAndShapes) {
       if (HasFatalFailure()) return;
     }
     for (int64_t bs : {24, 48}) {
-      Case k;
-      k.layout = layout;
+      Case k = Make(layout, DType::kFloat32, DType::kFloat32, 3, 1);
       k.block_size = bs;
-      k.heads = 3;
-      k.kv_heads = 1;
       k.context = 200;
       Check(k);
       if (HasFatalFailure()) return;
     }
-    Case k;
-    k.layout = layout;
+    Case k = Make(layout, DType::kFloat32, DType::kFloat32, 2, 2);
     k.head_size = 20;  // vLLM: a multiple of x = 4 (fp32)
     k.block_size = 5;
-    k.heads = 2;
-    k.kv_heads = 2;
     k.context = 60;
     k.window = 17;
     k.alibi = true;
