@@ -82,7 +82,7 @@ class Bandwidth {
       const double t = Now();
       std::memcpy(b.data(), a_.data(), a_.size() * 8);
       best = std::max(best, 16.0 * a_.size() / (Now() - t) / 1e9);
-      sink_ += b[rep * 12345 % b.size()];
+      sink_ += b[static_cast<size_t>(rep) * 12345 % b.size()];
     }
     return best;
   }

@@ -231,9 +231,10 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   // head, v2 takes 0.53x v1's time; two, about equal; eight, v1 is as fast
   // or faster, since v2 adds a reduction pass.
   const int threads = pool != nullptr ? pool->num_threads() : 1;
-  const bool partitioned = p.kernel == AttentionParams::Kernel::kPartitioned ||
-                           (p.kernel == AttentionParams::Kernel::kAuto &&
-                            max_parts > 1 && rows.num_real * kvh < 2 * threads);
+  const bool partitioned =
+      p.kernel == AttentionParams::Kernel::kPartitioned ||
+      (p.kernel == AttentionParams::Kernel::kAuto && max_parts > 1 &&
+       rows.num_real * kvh < int64_t{2} * threads);
   auto run = [&](const std::function<void(int64_t)>& fn, int64_t n) {
     if (pool != nullptr) {
       pool->ParallelFor(n, fn);

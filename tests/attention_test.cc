@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "core/float_convert.h"
@@ -112,7 +113,7 @@ float Quantize(DType d, float v, float scale) {
 }
 
 Tensor Activations(DType d, Shape shape, const std::vector<float>& v) {
-  Tensor t = *Tensor::Zeros(CpuDevice(), d, shape);
+  Tensor t = *Tensor::Zeros(CpuDevice(), d, std::move(shape));
   for (size_t i = 0; i < v.size(); ++i) {
     if (d == DType::kFloat32) {
       t.data<float>()[i] = v[i];
@@ -421,7 +422,7 @@ TEST(ReshapeAndCache, VllmLayoutOffsets) {
   c.head_size = 16;
   c.dtype = DType::kFloat32;  // x = 4
   auto cache = *KvCache::Create(c, CpuDevice());
-  std::vector<float> k(2 * 16), v(2 * 16);
+  std::vector<float> k(32), v(32);  // 2 heads x 16
   for (int i = 0; i < 32; ++i) {
     k[i] = 100 + i;
     v[i] = 200 + i;
