@@ -12,7 +12,7 @@
 //   build/bench/attention_bench [--full] [--seconds=0.3] [--layout=nhd]
 //       [--no_baseline]
 //       [--dtype=bfloat16] [--context=N] [--batch=N] [--threads=N]
-//       [--kernel=v1|v2] [--portable] [--kv_heads=8]
+//       [--kernel=v1|v2] [--portable] [--kv_heads=8] [--prefill=N]
 // (the filters run one slice of the grid, e.g. under perf).
 #include <algorithm>
 #include <atomic>
@@ -24,6 +24,10 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "core/attention.h"
 #include "core/float_convert.h"
@@ -97,11 +101,52 @@ class Bandwidth {
   std::atomic<uint64_t> sink_{0};
 };
 
+#if defined(__x86_64__)
+// Twelve independent chains of 8-wide FMAs (more than latency x pipes, so
+// the pipes, not a chain, bound it); returns a value to keep them alive.
+__attribute__((target("avx2,fma"))) float FmaChains(int64_t n) {
+  __m256 a[12];
+  for (int i = 0; i < 12; ++i) a[i] = _mm256_set1_ps(static_cast<float>(i));
+  const __m256 x = _mm256_set1_ps(0.999f), y = _mm256_set1_ps(0.001f);
+  for (int64_t k = 0; k < n; ++k) {
+    for (int i = 0; i < 12; ++i) a[i] = _mm256_fmadd_ps(a[i], x, y);
+  }
+  __m256 s = a[0];
+  for (int i = 1; i < 12; ++i) s = _mm256_add_ps(s, a[i]);
+  return _mm256_cvtss_f32(s);
+}
+#endif
+
+// GFLOP/s (16 per 8-wide FMA) of FmaChains on `threads` threads at once,
+// about 20 ms; 0 where there is no AVX2+FMA.
+double FmaPeak(int threads) {
+#if defined(__x86_64__)
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) {
+    return 0;
+  }
+  constexpr int64_t kIters = 4 << 20;  // 48 Mi FMAs a thread
+  std::atomic<float> sink{0};
+  const double t = Now();
+  std::vector<std::thread> ts;
+  for (int k = 1; k < threads; ++k) {
+    ts.emplace_back([&] { sink = sink + FmaChains(kIters); });
+  }
+  const float mine = FmaChains(kIters);
+  for (std::thread& th : ts) th.join();
+  const double dt = Now() - t;
+  if (mine + sink == 42.0f) std::printf(" ");
+  return 16.0 * 12 * kIters * threads / dt / 1e9;
+#else
+  (void)threads;
+  return 0;
+#endif
+}
+
 struct Result {
-  double gbs;  // mean over the run
-  double us;   // mean per call
+  double rate;  // mean over the run: GB/s (decode) or GFLOP/s (prefill)
+  double us;    // mean per call
   double best_us;
-  double read_gbs;  // best read pass interleaved with the calls; 0 if none
+  double baseline;  // best interleaved read GB/s or FMA GFLOP/s; 0 if none
 };
 
 struct Options {
@@ -109,6 +154,7 @@ struct Options {
   AttentionParams params;
   double seconds = 0.3;
   int64_t kv_heads = 8;  // of 32 query heads
+  int64_t prefill = 0;   // query tokens per row; 0: decode (one)
 };
 
 // Bytes of one interleaved read pass: large against the caches, and about
@@ -138,16 +184,23 @@ Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
   std::iota(perm.begin(), perm.end(), 0);
   std::shuffle(perm.begin(), perm.end(), std::mt19937_64(1));
   rows.block_tables = perm;
-  for (int64_t r = 0; r <= batch; ++r) rows.query_start.push_back(r);
+  const int64_t nq = o.prefill > 0 ? std::min(o.prefill, ctx) : 1;
+  for (int64_t r = 0; r <= batch; ++r) rows.query_start.push_back(r * nq);
   rows.seq_lens.assign(batch, ctx);
   const DType act = dtype == DType::kFloat32 ? DType::kFloat32 : dtype;
-  Tensor q = *Tensor::Zeros(CpuDevice(), act, {batch, 32, 128});
+  Tensor q = *Tensor::Zeros(CpuDevice(), act, {batch * nq, 32, 128});
   std::memset(q.raw_data(), 0x11, q.nbytes());
   ThreadPool pool(threads);
   const AttentionParams& p = o.params;
   Tensor out;
-  const double bytes = 2.0 * batch * ctx * c.num_kv_heads * c.head_size *
-                       static_cast<double>(DTypeSize(dtype));
+  // Work per call: K+V bytes (decode), or FLOPs (prefill: each of the
+  // row's query tokens at position p multiplies p + 1 keys and values).
+  double work = 2.0 * batch * ctx * c.num_kv_heads * c.head_size *
+                static_cast<double>(DTypeSize(dtype));
+  if (o.prefill > 0) {
+    const double keys = static_cast<double>(nq) * ctx - nq * (nq - 1) / 2.0;
+    work = batch * 32.0 * keys * 2 * c.head_size * 2;
+  }
   (void)PagedAttention(*cache, 0, q, rows, p, &pool, &out);  // warm
   // Rounds of one read pass (at the same thread count) and then kernel
   // calls for about as long, so that the two see the same moments of this
@@ -159,7 +212,8 @@ Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
     double round_s = 0.02;
     if (bw != nullptr) {
       const double t = Now();
-      read = std::max(read, bw->Read(threads, kReadBytes, 1));
+      read = std::max(read, o.prefill > 0 ? FmaPeak(threads)
+                                          : bw->Read(threads, kReadBytes, 1));
       round_s = Now() - t;
     }
     const double round_start = Now();
@@ -172,7 +226,7 @@ Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
       ++iters;
     } while (Now() - round_start < round_s);
   }
-  return {bytes * iters / kernel_s / 1e9, kernel_s / iters * 1e6, best * 1e6,
+  return {work * iters / kernel_s / 1e9, kernel_s / iters * 1e6, best * 1e6,
           read};
 }
 
@@ -209,6 +263,12 @@ int main(int argc, char** argv) {
       o.kv_heads = std::stoll(v);
       if (o.kv_heads < 1 || 32 % o.kv_heads != 0) {
         std::fprintf(stderr, "--kv_heads must divide 32\n");
+        return 2;
+      }
+    } else if (const char* v = value("--prefill=")) {
+      o.prefill = std::stoll(v);
+      if (o.prefill < 1) {
+        std::fprintf(stderr, "--prefill must be at least 1\n");
         return 2;
       }
     } else if (const char* v = value("--seconds=")) {
@@ -249,9 +309,18 @@ int main(int argc, char** argv) {
       o.params.isa == kvstep::AttentionParams::Isa::kPortable ? "portable"
                                                               : "best",
       static_cast<long>(o.kv_heads));
+  const bool pf = o.prefill > 0;
+  if (pf) {
+    std::printf(
+        "prefill: each row's last %ld tokens, causal; GFLOP/s of attention "
+        "against the best FMA GFLOP/s of rounds interleaved with the calls "
+        "(same thread count)\n",
+        static_cast<long>(o.prefill));
+  }
   std::printf("%-9s %7s %6s %8s %10s %10s %9s %9s %9s %8s\n", "dtype",
-              "context", "batch", "threads", "us/call", "best us", "mean GB/s",
-              "best GB/s", "read GB/s", "of read");
+              "context", "batch", "threads", "us/call", "best us",
+              pf ? "mean GF/s" : "mean GB/s", pf ? "best GF/s" : "best GB/s",
+              pf ? "FMA GF/s" : "read GB/s", pf ? "of FMA" : "of read");
   const std::vector<int64_t> contexts =
       full ? std::vector<int64_t>{128, 512, 1024, 2048, 4096, 8192}
            : std::vector<int64_t>{128, 1024, 4096};
@@ -270,13 +339,13 @@ int main(int argc, char** argv) {
           if (only_threads != 0 && threads != only_threads) continue;
           const kvstep::Result r = kvstep::Measure(d, ctx, batch, threads, o,
                                                    baseline ? &bw : nullptr);
-          const double read = r.read_gbs;
+          const double read = r.baseline;
           // Best against best, both from the same rounds.
-          const double best_gbs = r.gbs * r.us / r.best_us;
+          const double best_gbs = r.rate * r.us / r.best_us;
           std::printf(
               "%-9s %7ld %6ld %8d %10.1f %10.1f %9.2f %9.2f %9.2f %7.0f%%\n",
               std::string(kvstep::DTypeName(d)).c_str(), static_cast<long>(ctx),
-              static_cast<long>(batch), threads, r.us, r.best_us, r.gbs,
+              static_cast<long>(batch), threads, r.us, r.best_us, r.rate,
               best_gbs, read, read > 0 ? 100.0 * best_gbs / read : 0.0);
           std::fflush(stdout);
         }
