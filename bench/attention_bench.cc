@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <string>
@@ -39,6 +40,16 @@ double Now() {
   return std::chrono::duration<double>(
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
+}
+
+// Seconds to run fn(0) .. fn(threads - 1) at once, fn(0) on the caller.
+double TimeOnThreads(int threads, const std::function<void(int)>& fn) {
+  const double t = Now();
+  std::vector<std::thread> ts;
+  for (int k = 1; k < threads; ++k) ts.emplace_back(fn, k);
+  fn(0);
+  for (std::thread& th : ts) th.join();
+  return Now() - t;
 }
 
 // STREAM-like bandwidth over a warm buffer, kept for the whole run so that
@@ -65,16 +76,11 @@ class Bandwidth {
       for (uint64_t v : s) total += v;
       sink_ += total;
     };
+    const size_t chunk = n / threads;
     for (int rep = 0; rep < reps; ++rep) {
-      const double t = Now();
-      std::vector<std::thread> ts;
-      const size_t chunk = n / threads;
-      for (int k = 1; k < threads; ++k) {
-        ts.emplace_back(part, k * chunk, (k + 1) * chunk);
-      }
-      part(0, chunk);
-      for (std::thread& th : ts) th.join();
-      best = std::max(best, 8.0 * n / (Now() - t) / 1e9);
+      const double dt = TimeOnThreads(
+          threads, [&](int k) { part(k * chunk, (k + 1) * chunk); });
+      best = std::max(best, 8.0 * n / dt / 1e9);
     }
     return best;
   }
@@ -126,14 +132,8 @@ double FmaPeak(int threads) {
   }
   constexpr int64_t kIters = 4 << 20;  // 48 Mi FMAs a thread
   std::vector<float> sums(threads);
-  const double t = Now();
-  std::vector<std::thread> ts;
-  for (int k = 1; k < threads; ++k) {
-    ts.emplace_back([&sums, k] { sums[k] = FmaChains(kIters); });
-  }
-  sums[0] = FmaChains(kIters);
-  for (std::thread& th : ts) th.join();
-  const double dt = Now() - t;
+  const double dt =
+      TimeOnThreads(threads, [&](int k) { sums[k] = FmaChains(kIters); });
   if (std::accumulate(sums.begin(), sums.end(), 0.0f) == 42.0f) {
     std::printf(" ");  // keeps the chains alive
   }
