@@ -12,7 +12,8 @@
 //   build/bench/attention_bench [--full] [--seconds=0.3] [--layout=nhd]
 //       [--no_baseline]
 //       [--dtype=bfloat16] [--context=N] [--batch=N] [--threads=N]
-//       [--kernel=v1|v2] [--portable] [--kv_heads=8] [--prefill=N]
+//       [--kernel=v1|v2] [--isa=avx512|avx2|portable] [--kv_heads=8]
+//       [--prefill=N]
 // (the filters run one slice of the grid, e.g. under perf).
 #include <algorithm>
 #include <atomic>
@@ -251,8 +252,12 @@ int main(int argc, char** argv) {
       full = true;
     } else if (a == "--no_baseline") {
       baseline = false;
-    } else if (a == "--portable") {
+    } else if (a == "--portable" || a == "--isa=portable") {
       o.params.isa = kvstep::AttentionParams::Isa::kPortable;
+    } else if (a == "--isa=avx2") {
+      o.params.isa = kvstep::AttentionParams::Isa::kAvx2;
+    } else if (a == "--isa=avx512") {
+      o.params.isa = kvstep::AttentionParams::Isa::kAvx512;
     } else if (a == "--layout=nhd") {
       o.layout = kvstep::CacheLayout::kNhd;
     } else if (a == "--layout=vllm") {
@@ -289,6 +294,11 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  if (!kvstep::IsaSupported(o.params.isa)) {
+    std::fprintf(stderr, "this CPU has no %s\n",
+                 kvstep::IsaName(o.params.isa));
+    return 2;
+  }
   kvstep::Bandwidth bw(baseline ? size_t{1} << 30 : 64 << 20);
   if (baseline) {
     const double read1 = bw.Read(1, size_t{1} << 30, 5);
@@ -308,8 +318,7 @@ int main(int argc, char** argv) {
       : o.params.kernel == kvstep::AttentionParams::Kernel::kPartitioned
           ? "v2"
           : "auto",
-      o.params.isa == kvstep::AttentionParams::Isa::kPortable ? "portable"
-                                                              : "best",
+      kvstep::IsaName(o.params.isa),
       static_cast<long>(o.kv_heads));
   const bool pf = o.prefill > 0;
   if (pf) {

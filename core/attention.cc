@@ -169,6 +169,29 @@ struct Scratch {
 #if defined(__x86_64__) || defined(__i386__)
 #define KVSTEP_ATTN_X86 1
 #if defined(__clang__)
+#pragma clang attribute push(                                              \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16," \
+                          "avx2,fma,f16c"))),                              \
+    apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target( \
+    "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
+#endif
+#define KVSTEP_ATTN_NS avx512
+#define KVSTEP_ATTN_F16C 1
+#define KVSTEP_ATTN_AVX512 1
+#include "core/attention_kernel.inc"  // NOLINT(build/include)
+#undef KVSTEP_ATTN_AVX512
+#undef KVSTEP_ATTN_F16C
+#undef KVSTEP_ATTN_NS
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+#if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), \
                              apply_to = function)
 #else
@@ -191,6 +214,13 @@ struct Scratch {
 #include "core/attention_kernel.inc"  // NOLINT(build/include)
 #undef KVSTEP_ATTN_NS
 
+using Isa = AttentionParams::Isa;
+
+template <typename T>
+struct Tag {
+  using type = T;
+};
+
 #ifdef KVSTEP_ATTN_X86
 bool HasAvx2() {
   static const bool has = [] {
@@ -204,7 +234,34 @@ bool HasAvx2() {
   }();
   return has;
 }
+bool HasAvx512() {
+  static const bool has = [] {
+    // clang 14 has no "avx512bf16" for __builtin_cpu_supports:
+    // CPUID.(7,1):EAX[5]. The OS must also save the ZMM state (XCR0 bits
+    // 5-7), which __builtin_cpu_supports("avx512f") checks.
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    const bool bf16 = __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) != 0 &&
+                      (eax & (1u << 5)) != 0;
+    return HasAvx2() && bf16 && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512dq");
+  }();
+  return has;
+}
+#else
+bool HasAvx2() { return false; }
+bool HasAvx512() { return false; }
 #endif
+
+// The instruction set a request runs on: kBest resolved, else as asked
+// (callers check IsaSupported first).
+Isa Resolve(Isa isa) {
+  if (isa != Isa::kBest) return isa;
+  if (HasAvx512()) return Isa::kAvx512;
+  if (HasAvx2()) return Isa::kAvx2;
+  return Isa::kPortable;
+}
 
 std::string RowError(int64_t r, const std::string& what) {
   return absl::StrFormat("row %d: %s", r, what);
@@ -398,18 +455,47 @@ absl::Status ReshapeAndCache(const KvCache& cache, int64_t layer,
   return absl::OkStatus();
 }
 
+bool IsaSupported(AttentionParams::Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512:
+      return HasAvx512();
+    case Isa::kAvx2:
+      return HasAvx2();
+    default:
+      return true;
+  }
+}
+
+const char* IsaName(AttentionParams::Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512:
+      return "AVX-512 (F, BW, VL, DQ, BF16)";
+    case Isa::kAvx2:
+      return "AVX2+FMA+F16C";
+    case Isa::kPortable:
+      return "portable x86-64";
+    default:
+      return "best";
+  }
+}
+
 namespace internal {
 void ConvertCacheElements(DType dtype, const void* src, int64_t n, float scale,
                           AttentionParams::Isa isa, float* out) {
   DispatchCache(dtype, [&](auto elem) {
     using Elem = decltype(elem);
+    switch (IsaSupported(isa) ? Resolve(isa) : Isa::kPortable) {
 #ifdef KVSTEP_ATTN_X86
-    if (isa == AttentionParams::Isa::kBest && HasAvx2()) {
-      avx2::ConvertRow<Elem>(src, n, scale, out);
-      return;
-    }
+      case Isa::kAvx512:
+        avx512::ConvertRow<Elem>(src, n, scale, out);
+        return;
+      case Isa::kAvx2:
+        avx2::ConvertRow<Elem>(src, n, scale, out);
+        return;
 #endif
-    portable::ConvertRow<Elem>(src, n, scale, out);
+      default:
+        portable::ConvertRow<Elem>(src, n, scale, out);
+    }
   });
 }
 }  // namespace internal
@@ -505,31 +591,36 @@ absl::Status PagedAttention(const KvCache& cache, int64_t layer,
   if (absl::Status s = ValidateAttention(c, query, rows, params); !s.ok()) {
     return s;
   }
+  if (!IsaSupported(params.isa)) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "this CPU has no %s; use Isa::kBest", IsaName(params.isa)));
+  }
   absl::StatusOr<Tensor> o =
       Tensor::Zeros(CpuDevice(), query.dtype(), query.shape());
   if (!o.ok()) return o.status();
   *out = *std::move(o);
   const bool vllm = c.layout == CacheLayout::kVllm;
+  const Isa isa = Resolve(params.isa);
   DispatchCache(c.dtype, [&](auto elem) {
     using Elem = decltype(elem);
+    auto run = [&](auto tag) {
+      using A = typename decltype(tag)::type;
+      Run<A>(cache, layer, query, rows, params, pool, out);
+    };
+    switch (isa) {
 #ifdef KVSTEP_ATTN_X86
-    if (params.isa == AttentionParams::Isa::kBest && HasAvx2()) {
-      if (vllm) {
-        Run<avx2::Attender<Elem, true>>(cache, layer, query, rows, params, pool,
-                                        out);
-      } else {
-        Run<avx2::Attender<Elem, false>>(cache, layer, query, rows, params,
-                                         pool, out);
-      }
-      return;
-    }
+      case Isa::kAvx512:
+        vllm ? run(Tag<avx512::Attender<Elem, true>>())
+             : run(Tag<avx512::Attender<Elem, false>>());
+        return;
+      case Isa::kAvx2:
+        vllm ? run(Tag<avx2::Attender<Elem, true>>())
+             : run(Tag<avx2::Attender<Elem, false>>());
+        return;
 #endif
-    if (vllm) {
-      Run<portable::Attender<Elem, true>>(cache, layer, query, rows, params,
-                                          pool, out);
-    } else {
-      Run<portable::Attender<Elem, false>>(cache, layer, query, rows, params,
-                                           pool, out);
+      default:
+        vllm ? run(Tag<portable::Attender<Elem, true>>())
+             : run(Tag<portable::Attender<Elem, false>>());
     }
   });
   return absl::OkStatus();

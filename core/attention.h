@@ -41,12 +41,18 @@ struct AttentionParams {
   enum class Kernel { kAuto, kSinglePass, kPartitioned };
   Kernel kernel = Kernel::kAuto;
   int64_t partition_size = 512;
-  // kBest runs the widest kernel this CPU has (AVX2+FMA+F16C, else
-  // portable x86-64); kPortable forces the portable one, for tests and
-  // benchmarks of that path.
-  enum class Isa { kBest, kPortable };
+  // kBest runs the widest kernel this CPU has: AVX-512 (F, BW, VL, DQ and
+  // BF16, as on Zen 4/5 and Sapphire Rapids), else AVX2+FMA+F16C, else
+  // portable x86-64. The others force one, for tests and benchmarks of that
+  // path; PagedAttention answers FAILED_PRECONDITION when the CPU lacks it
+  // (see IsaSupported).
+  enum class Isa { kBest, kAvx512, kAvx2, kPortable };
   Isa isa = Isa::kBest;
 };
+
+// Whether this CPU runs `isa` (kBest and kPortable: always), and its name.
+bool IsaSupported(AttentionParams::Isa isa);
+const char* IsaName(AttentionParams::Isa isa);
 
 struct AttentionRows {
   std::vector<int64_t> query_start;   // [n + 1], from 0 to num_tokens

@@ -58,7 +58,28 @@ TEST(FloatConvert, RoundTripsEveryCode) {
   }
 }
 
-// The kernel's vector conversions (both instruction-set builds) against
+// The kernel's instruction-set builds this CPU runs (AVX-512, AVX2,
+// portable): every test runs on each.
+std::vector<AttentionParams::Isa> TestedIsas() {
+  std::vector<AttentionParams::Isa> isas;
+  for (auto isa : {AttentionParams::Isa::kAvx512, AttentionParams::Isa::kAvx2,
+                   AttentionParams::Isa::kPortable}) {
+    if (IsaSupported(isa)) isas.push_back(isa);
+  }
+  return isas;
+}
+
+// Says which builds the other tests cover here: a CPU without AVX-512
+// (F, BW, VL, DQ, BF16) cannot run that build, and this test says so.
+TEST(PagedAttention, Avx512BuildRunsHere) {
+  if (!IsaSupported(AttentionParams::Isa::kAvx512)) {
+    GTEST_SKIP() << "this CPU has no AVX-512 BF16: the AVX-512 kernel is "
+                    "not tested on this machine";
+  }
+  EXPECT_EQ(TestedIsas().front(), AttentionParams::Isa::kAvx512);
+}
+
+// The kernel's vector conversions (every instruction-set build) against
 // the scalar decoders, over every fp16, bf16 and fp8 code.
 TEST(FloatConvert, KernelConversionsMatchTheScalarDecoders) {
   std::vector<uint16_t> h(0x10000);
@@ -69,8 +90,7 @@ TEST(FloatConvert, KernelConversionsMatchTheScalarDecoders) {
     return std::isnan(want) ? std::isnan(got)
                             : FloatBits(got) == FloatBits(want);
   };
-  for (auto isa :
-       {AttentionParams::Isa::kBest, AttentionParams::Isa::kPortable}) {
+  for (auto isa : TestedIsas()) {
     std::vector<float> out(0x10000);
     internal::ConvertCacheElements(DType::kFloat16, h.data(), 0x10000, 1, isa,
                                    out.data());
@@ -281,13 +301,14 @@ void Check(const Case& k) {
   }
 
   ThreadPool pool(2);
-  for (auto [kernel, isa] :
-       {std::pair{AttentionParams::Kernel::kSinglePass,
-                  AttentionParams::Isa::kBest},
-        {AttentionParams::Kernel::kPartitioned, AttentionParams::Isa::kBest},
-        {AttentionParams::Kernel::kSinglePass, AttentionParams::Isa::kPortable},
-        {AttentionParams::Kernel::kPartitioned,
-         AttentionParams::Isa::kPortable}}) {
+  std::vector<std::pair<AttentionParams::Kernel, AttentionParams::Isa>> runs;
+  for (auto isa : TestedIsas()) {
+    for (auto kernel : {AttentionParams::Kernel::kSinglePass,
+                        AttentionParams::Kernel::kPartitioned}) {
+      runs.emplace_back(kernel, isa);
+    }
+  }
+  for (auto [kernel, isa] : runs) {
     p.kernel = kernel;
     p.isa = isa;
     p.partition_size = 16;  // several partitions even for short contexts
@@ -309,7 +330,7 @@ void Check(const Case& k) {
       ASSERT_NEAR(got, want,
                   atol + 1e-5 * std::fabs(want) + ulp * std::fabs(want))
           << "element " << i << " kernel " << static_cast<int>(kernel)
-          << " isa " << static_cast<int>(isa);
+          << " isa " << IsaName(isa);
     }
   }
 }
