@@ -158,7 +158,8 @@ __attribute__((always_inline)) inline void Axpy(float* y, float a,
 // A thread's scratch, reused across its items and their chunks.
 struct Scratch {
   std::vector<float> q;          // [virtual heads][head_size], scaled
-  std::vector<float> q2;         // q as even/odd dims, for bf16 key pairs
+  std::vector<float> q2;         // q laid out for the key tiles
+  std::vector<uint16_t> qb;      // bf16 q, unscaled (AVX-512 BF16 keys)
   std::vector<float> logits;     // [virtual heads][keys, padded to 8]
   std::vector<float> lanes;      // vLLM values: [virtual heads][head_size][8]
   std::vector<float> weights;    // a partial block's weights, zero-padded
