@@ -318,7 +318,9 @@ int main(int argc, char** argv) {
       : o.params.kernel == kvstep::AttentionParams::Kernel::kPartitioned
           ? "v2"
           : "auto",
-      kvstep::IsaName(o.params.isa),
+      kvstep::IsaName(o.params.isa == kvstep::AttentionParams::Isa::kBest
+                          ? kvstep::BestIsa()
+                          : o.params.isa),
       static_cast<long>(o.kv_heads));
   const bool pf = o.prefill > 0;
   if (pf) {

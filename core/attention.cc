@@ -467,6 +467,8 @@ bool IsaSupported(AttentionParams::Isa isa) {
   }
 }
 
+AttentionParams::Isa BestIsa() { return Resolve(Isa::kBest); }
+
 const char* IsaName(AttentionParams::Isa isa) {
   switch (isa) {
     case Isa::kAvx512:

@@ -50,9 +50,11 @@ struct AttentionParams {
   Isa isa = Isa::kBest;
 };
 
-// Whether this CPU runs `isa` (kBest and kPortable: always), and its name.
+// Whether this CPU runs `isa` (kBest and kPortable: always), its name, and
+// what kBest runs here.
 bool IsaSupported(AttentionParams::Isa isa);
 const char* IsaName(AttentionParams::Isa isa);
+AttentionParams::Isa BestIsa();
 
 struct AttentionRows {
   std::vector<int64_t> query_start;   // [n + 1], from 0 to num_tokens

@@ -76,6 +76,7 @@ TEST(PagedAttention, Avx512BuildRunsHere) {
     GTEST_SKIP() << "this CPU has no AVX-512 BF16: the AVX-512 kernel is "
                     "not tested on this machine";
   }
+  EXPECT_EQ(BestIsa(), AttentionParams::Isa::kAvx512);
   EXPECT_EQ(TestedIsas().front(), AttentionParams::Isa::kAvx512);
 }
 
