@@ -109,8 +109,9 @@ class Bandwidth {
 };
 
 #if defined(__x86_64__)
-// Twelve independent chains of 8-wide FMAs (more than latency x pipes, so
-// the pipes, not a chain, bound it); returns a value to keep them alive.
+// Twelve independent chains of 8-wide (16-wide) FMAs: more than latency x
+// pipes, so the pipes, not a chain, bound it; returns a value to keep
+// them alive.
 __attribute__((target("avx2,fma"))) float FmaChains(int64_t n) {
   __m256 a[12];
   for (int i = 0; i < 12; ++i) a[i] = _mm256_set1_ps(static_cast<float>(i));
@@ -122,25 +123,39 @@ __attribute__((target("avx2,fma"))) float FmaChains(int64_t n) {
   for (int i = 1; i < 12; ++i) s = _mm256_add_ps(s, a[i]);
   return _mm256_cvtss_f32(s);
 }
+__attribute__((target("avx512f"))) float FmaChains512(int64_t n) {
+  __m512 a[12];
+  for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_ps(static_cast<float>(i));
+  const __m512 x = _mm512_set1_ps(0.999f), y = _mm512_set1_ps(0.001f);
+  for (int64_t k = 0; k < n; ++k) {
+    for (int i = 0; i < 12; ++i) a[i] = _mm512_fmadd_ps(a[i], x, y);
+  }
+  __m512 s = a[0];
+  for (int i = 1; i < 12; ++i) s = _mm512_add_ps(s, a[i]);
+  return _mm512_reduce_add_ps(s);
+}
 #endif
 
-// GFLOP/s (16 per 8-wide FMA) of FmaChains on `threads` threads at once,
-// about 20 ms; 0 where there is no AVX2+FMA.
-double FmaPeak(int threads) {
+// GFLOP/s (2 per FMA lane) of FmaChains on `threads` threads at once,
+// 16-wide where the kernel runs AVX-512, about 20 ms; 0 where there is no
+// AVX2+FMA.
+double FmaPeak(int threads, bool avx512) {
 #if defined(__x86_64__)
   if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) {
     return 0;
   }
   constexpr int64_t kIters = 4 << 20;  // 48 Mi FMAs a thread
   std::vector<float> sums(threads);
-  const double dt =
-      TimeOnThreads(threads, [&](int k) { sums[k] = FmaChains(kIters); });
+  const double dt = TimeOnThreads(threads, [&](int k) {
+    sums[k] = avx512 ? FmaChains512(kIters) : FmaChains(kIters);
+  });
   if (std::accumulate(sums.begin(), sums.end(), 0.0f) == 42.0f) {
     std::printf(" ");  // keeps the chains alive
   }
-  return 16.0 * 12 * kIters * threads / dt / 1e9;
+  return (avx512 ? 32.0 : 16.0) * 12 * kIters * threads / dt / 1e9;
 #else
   (void)threads;
+  (void)avx512;
   return 0;
 #endif
 }
@@ -215,7 +230,11 @@ Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
     double round_s = 0.02;
     if (bw != nullptr) {
       const double t = Now();
-      read = std::max(read, o.prefill > 0 ? FmaPeak(threads)
+      const bool avx512 =
+          (p.isa == kvstep::AttentionParams::Isa::kBest ? kvstep::BestIsa()
+                                                        : p.isa) ==
+          kvstep::AttentionParams::Isa::kAvx512;
+      read = std::max(read, o.prefill > 0 ? FmaPeak(threads, avx512)
                                           : bw->Read(threads, kReadBytes, 1));
       round_s = Now() - t;
     }
