@@ -231,9 +231,9 @@ Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
     if (bw != nullptr) {
       const double t = Now();
       const bool avx512 =
-          (p.isa == kvstep::AttentionParams::Isa::kBest ? kvstep::BestIsa()
-                                                        : p.isa) ==
-          kvstep::AttentionParams::Isa::kAvx512;
+          (p.isa == kvstep::AttentionParams::Isa::kBest
+               ? kvstep::BestIsa()
+               : p.isa) == kvstep::AttentionParams::Isa::kAvx512;
       read = std::max(read, o.prefill > 0 ? FmaPeak(threads, avx512)
                                           : bw->Read(threads, kReadBytes, 1));
       round_s = Now() - t;
@@ -314,8 +314,7 @@ int main(int argc, char** argv) {
     }
   }
   if (!kvstep::IsaSupported(o.params.isa)) {
-    std::fprintf(stderr, "this CPU has no %s\n",
-                 kvstep::IsaName(o.params.isa));
+    std::fprintf(stderr, "this CPU has no %s\n", kvstep::IsaName(o.params.isa));
     return 2;
   }
   kvstep::Bandwidth bw(baseline ? size_t{1} << 30 : 64 << 20);
