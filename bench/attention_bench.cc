@@ -13,7 +13,7 @@
 //       [--no_baseline]
 //       [--dtype=bfloat16] [--context=N] [--batch=N] [--threads=N]
 //       [--kernel=v1|v2] [--isa=avx512|avx2|portable] [--kv_heads=8]
-//       [--prefill=N]
+//       [--prefill=N] [--warm]
 // (the filters run one slice of the grid, e.g. under perf).
 #include <algorithm>
 #include <atomic>
@@ -173,6 +173,27 @@ struct Options {
   double seconds = 0.3;
   int64_t kv_heads = 8;  // of 32 query heads
   int64_t prefill = 0;   // query tokens per row; 0: decode (one)
+  // Cold: each call starts with the layer's K/V out of the caches, as in a
+  // served model, where the other layers' K/V pass through L3 between two
+  // calls for one layer. Warm (--warm): back-to-back calls, so that
+  // working sets up to a few times the L3 partly hit it.
+  bool cold = true;
+};
+
+// Reads 3x the L3 size (32 MB on this machine's EPYC; 96 MiB covers L3s
+// up to 32 MiB) through the calling thread, evicting the kernel's data.
+class CacheFlusher {
+ public:
+  CacheFlusher() : a_((size_t{96} << 20) / 8, 1) {}
+  void Flush() {
+    uint64_t s = 0;
+    for (size_t i = 0; i < a_.size(); i += 8) s += a_[i];  // a line each
+    sink_ += s;
+  }
+
+ private:
+  std::vector<uint64_t> a_;
+  std::atomic<uint64_t> sink_{0};
 };
 
 // Bytes of one interleaved read pass: large against the caches, and about
@@ -180,7 +201,7 @@ struct Options {
 constexpr size_t kReadBytes = size_t{256} << 20;
 
 Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
-               const Options& o, Bandwidth* bw) {
+               const Options& o, Bandwidth* bw, CacheFlusher* flusher) {
   const double seconds = o.seconds;
   CacheConfig c;
   c.block_size = 16;
@@ -240,6 +261,7 @@ Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
     }
     const double round_start = Now();
     do {
+      if (o.cold) flusher->Flush();
       const double t = Now();
       (void)PagedAttention(*cache, 0, q, rows, p, &pool, &out);
       const double dt = Now() - t;
@@ -269,6 +291,8 @@ int main(int argc, char** argv) {
     };
     if (a == "--full") {
       full = true;
+    } else if (a == "--warm") {
+      o.cold = false;
     } else if (a == "--no_baseline") {
       baseline = false;
     } else if (a == "--portable" || a == "--isa=portable") {
@@ -318,6 +342,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   kvstep::Bandwidth bw(baseline ? size_t{1} << 30 : 64 << 20);
+  kvstep::CacheFlusher flusher;
   if (baseline) {
     const double read1 = bw.Read(1, size_t{1} << 30, 5);
     const double read2 = bw.Read(2, size_t{1} << 30, 5);
@@ -330,7 +355,7 @@ int main(int argc, char** argv) {
   }
   std::printf(
       "layout %s, kernel %s, %s instruction set; 32 query heads over %ld KV "
-      "heads, head 128, block 16, random block tables\n",
+      "heads, head 128, block 16, random block tables; %s\n",
       o.layout == kvstep::CacheLayout::kVllm ? "vllm" : "nhd",
       o.params.kernel == kvstep::AttentionParams::Kernel::kSinglePass ? "v1"
       : o.params.kernel == kvstep::AttentionParams::Kernel::kPartitioned
@@ -339,7 +364,9 @@ int main(int argc, char** argv) {
       kvstep::IsaName(o.params.isa == kvstep::AttentionParams::Isa::kBest
                           ? kvstep::BestIsa()
                           : o.params.isa),
-      static_cast<long>(o.kv_heads));
+      static_cast<long>(o.kv_heads),
+      o.cold ? "cold caches (96 MiB read before each call, untimed)"
+             : "warm caches (back-to-back calls)");
   const bool pf = o.prefill > 0;
   if (pf) {
     std::printf(
@@ -368,8 +395,8 @@ int main(int argc, char** argv) {
           continue;
         for (int threads : {1, 2}) {
           if (only_threads != 0 && threads != only_threads) continue;
-          const kvstep::Result r = kvstep::Measure(d, ctx, batch, threads, o,
-                                                   baseline ? &bw : nullptr);
+          const kvstep::Result r = kvstep::Measure(
+              d, ctx, batch, threads, o, baseline ? &bw : nullptr, &flusher);
           const double read = r.baseline;
           // Best against best, both from the same rounds.
           const double best_gbs = r.rate * r.us / r.best_us;
