@@ -161,7 +161,7 @@ struct Scratch {
   std::vector<float> q2;         // q laid out for the key tiles
   std::vector<uint16_t> qb;      // bf16 q, unscaled (AVX-512 BF16 keys)
   std::vector<float> logits;     // [virtual heads][keys, padded to 8]
-  std::vector<float> lanes;      // vLLM values: [virtual heads][head_size][8]
+  std::vector<float> lanes;      // vLLM values: [v][head_size][8 or 16]
   std::vector<float> weights;    // a partial block's weights, zero-padded
   std::vector<float> m, s, acc;  // a chunk's results (Partial's outputs)
 };
