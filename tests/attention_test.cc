@@ -377,13 +377,14 @@ TEST(PagedAttention, DtypesAndGqaRatios) {
   }
 }
 
-// The AVX-512 build's 16-lane tiles (where the CPU has it; the other
-// builds run the same cases): 16-bit and fp32 caches with activations of
-// the same or another dtype (bf16 keys against bf16 queries take
-// VDPBF16PS, against fp32 ones the shift-and-mask path), block sizes whose
-// key tiles are 8 tokens (8, 24) or 16 (16, 32) and whose value sweeps are
-// 16-lane (16, 32) or 8-lane (8, 24), head sizes that are and are not
-// multiples of 16, and GQA groups of 4 and 3 (a tile repeating a head).
+// The AVX-512 build's 16-lane tiles, both layouts (where the CPU has it;
+// the other builds run the same cases): 16-bit and fp32 caches with
+// activations of the same or another dtype (bf16 keys against bf16
+// queries take VDPBF16PS, against fp32 ones the shift-and-mask path),
+// block sizes whose key tiles are 8 tokens (8, 24) or 16 (16, 32) and
+// whose value sweeps are 16-lane (16, 32) or 8-lane (8, 24), head sizes
+// 128 and 80 (five 16-dim chunks: a partial NHD value tile), and GQA
+// groups of 4 and 3 (a tile repeating a head).
 TEST(PagedAttention, WideTilesBlockSizesAndActivations) {
   struct D {
     DType cache, act;
@@ -397,12 +398,14 @@ TEST(PagedAttention, WideTilesBlockSizesAndActivations) {
     for (int64_t bs : {8, 16, 24, 32}) {
       for (auto [hs, heads, kv] :
            {std::tuple<int64_t, int64_t, int64_t>{128, 8, 2}, {80, 6, 2}}) {
-        Case k = Make(CacheLayout::kVllm, d.cache, d.act, heads, kv);
-        k.block_size = bs;
-        k.head_size = hs;
-        k.context = 70;  // several blocks, the last one partial
-        Check(k);
-        if (HasFatalFailure()) return;
+        for (CacheLayout layout : {CacheLayout::kVllm, CacheLayout::kNhd}) {
+          Case k = Make(layout, d.cache, d.act, heads, kv);
+          k.block_size = bs;
+          k.head_size = hs;
+          k.context = 70;  // several blocks, the last one partial
+          Check(k);
+          if (HasFatalFailure()) return;
+        }
       }
     }
   }
