@@ -166,19 +166,24 @@ struct Scratch {
   std::vector<float> m, s, acc;  // a chunk's results (Partial's outputs)
 };
 
-// The kernel, once per instruction set (see core/attention_kernel.inc).
+// The kernel, once per instruction set (see core/attention_kernel.inc):
+// each inclusion under a `target` applied to every function in it.
 #if defined(__x86_64__) || defined(__i386__)
 #define KVSTEP_ATTN_X86 1
+#define KVSTEP_PRAGMA(x) _Pragma(#x)
 #if defined(__clang__)
-#pragma clang attribute push(                                              \
-    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16," \
-                          "avx2,fma,f16c"))),                              \
-    apply_to = function)
+#define KVSTEP_TARGET_PUSH(t) \
+  KVSTEP_PRAGMA(              \
+      clang attribute push(__attribute__((target(t))), apply_to = function))
+#define KVSTEP_TARGET_POP() KVSTEP_PRAGMA(clang attribute pop)
 #else
-#pragma GCC push_options
-#pragma GCC target( \
-    "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
+#define KVSTEP_TARGET_PUSH(t) \
+  KVSTEP_PRAGMA(GCC push_options) KVSTEP_PRAGMA(GCC target(t))
+#define KVSTEP_TARGET_POP() KVSTEP_PRAGMA(GCC pop_options)
 #endif
+
+KVSTEP_TARGET_PUSH(
+    "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
 #define KVSTEP_ATTN_NS avx512
 #define KVSTEP_ATTN_F16C 1
 #define KVSTEP_ATTN_AVX512 1
@@ -186,29 +191,15 @@ struct Scratch {
 #undef KVSTEP_ATTN_AVX512
 #undef KVSTEP_ATTN_F16C
 #undef KVSTEP_ATTN_NS
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+KVSTEP_TARGET_POP()
 
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), \
-                             apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#endif
+KVSTEP_TARGET_PUSH("avx2,fma,f16c")
 #define KVSTEP_ATTN_NS avx2
 #define KVSTEP_ATTN_F16C 1
 #include "core/attention_kernel.inc"  // NOLINT(build/include)
 #undef KVSTEP_ATTN_F16C
 #undef KVSTEP_ATTN_NS
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+KVSTEP_TARGET_POP()
 #endif
 
 #define KVSTEP_ATTN_NS portable
