@@ -355,16 +355,18 @@ TEST(PagedAttention, HeadSizesBlockSizesLayoutsFp32) {
   }
 }
 
+// A cache dtype and the activations' (query, key, value, output).
+struct Dtypes {
+  DType cache, act;
+};
+
 TEST(PagedAttention, DtypesAndGqaRatios) {
-  struct D {
-    DType cache, act;
-  };
-  const D dtypes[] = {{DType::kFloat32, DType::kFloat32},
-                      {DType::kFloat16, DType::kFloat16},
-                      {DType::kBFloat16, DType::kBFloat16},
-                      {DType::kFp8E4M3, DType::kFloat16},
-                      {DType::kFp8E5M2, DType::kBFloat16}};
-  for (const D& d : dtypes) {
+  const Dtypes dtypes[] = {{DType::kFloat32, DType::kFloat32},
+                           {DType::kFloat16, DType::kFloat16},
+                           {DType::kBFloat16, DType::kBFloat16},
+                           {DType::kFp8E4M3, DType::kFloat16},
+                           {DType::kFp8E5M2, DType::kBFloat16}};
+  for (const Dtypes& d : dtypes) {
     for (auto [heads, kv] :
          {std::pair<int64_t, int64_t>{8, 8}, {8, 2}, {8, 1}}) {
       for (CacheLayout layout : {CacheLayout::kVllm, CacheLayout::kNhd}) {
@@ -386,15 +388,12 @@ TEST(PagedAttention, DtypesAndGqaRatios) {
 // 128 and 80 (five 16-dim chunks: a partial NHD value tile), and GQA
 // groups of 4 and 3 (a tile repeating a head).
 TEST(PagedAttention, WideTilesBlockSizesAndActivations) {
-  struct D {
-    DType cache, act;
-  };
-  const D dtypes[] = {{DType::kBFloat16, DType::kBFloat16},
-                      {DType::kBFloat16, DType::kFloat32},
-                      {DType::kFloat16, DType::kFloat16},
-                      {DType::kFloat16, DType::kBFloat16},
-                      {DType::kFloat32, DType::kFloat16}};
-  for (const D& d : dtypes) {
+  const Dtypes dtypes[] = {{DType::kBFloat16, DType::kBFloat16},
+                           {DType::kBFloat16, DType::kFloat32},
+                           {DType::kFloat16, DType::kFloat16},
+                           {DType::kFloat16, DType::kBFloat16},
+                           {DType::kFloat32, DType::kFloat16}};
+  for (const Dtypes& d : dtypes) {
     for (int64_t bs : {8, 16, 24, 32}) {
       for (auto [hs, heads, kv] :
            {std::tuple<int64_t, int64_t, int64_t>{128, 8, 2}, {80, 6, 2}}) {
