@@ -13,8 +13,15 @@
 //       [--no_baseline]
 //       [--dtype=bfloat16] [--context=N] [--batch=N] [--threads=N]
 //       [--kernel=v1|v2] [--isa=avx512|avx2|portable] [--kv_heads=8]
-//       [--prefill=N] [--warm]
+//       [--prefill=N] [--warm] [--vs=isa=avx2|kernel=v1|kernel=v2|...]
 // (the filters run one slice of the grid, e.g. under perf).
+//
+// --vs=FLAG (any of --isa=, --kernel=) times a second configuration call by
+// call against the first, in the same process and on the same cache: A, B,
+// A, B, ... each after its own cache flush. It prints both best times and
+// the median over pairs of B's time / A's, which resolves differences of a
+// few percent that this shared VM's drift (5-10% from run to run) hides
+// between two separate runs.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -160,6 +167,40 @@ double FmaPeak(int threads, bool avx512) {
 #endif
 }
 
+const char* KernelName(AttentionParams::Kernel k) {
+  switch (k) {
+    case AttentionParams::Kernel::kSinglePass:
+      return "v1";
+    case AttentionParams::Kernel::kPartitioned:
+      return "v2";
+    case AttentionParams::Kernel::kAuto:
+      break;
+  }
+  return "auto";
+}
+
+// --isa=... and --kernel=... into *p; false for any other flag.
+bool ParseParamFlag(const std::string& a, AttentionParams* p) {
+  using Isa = AttentionParams::Isa;
+  using Kernel = AttentionParams::Kernel;
+  if (a == "--portable" || a == "--isa=portable") {
+    p->isa = Isa::kPortable;
+  } else if (a == "--isa=avx2") {
+    p->isa = Isa::kAvx2;
+  } else if (a == "--isa=avx512") {
+    p->isa = Isa::kAvx512;
+  } else if (a == "--kernel=v1") {
+    p->kernel = Kernel::kSinglePass;
+  } else if (a == "--kernel=v2") {
+    p->kernel = Kernel::kPartitioned;
+  } else if (a == "--kernel=auto") {
+    p->kernel = Kernel::kAuto;
+  } else {
+    return false;
+  }
+  return true;
+}
+
 struct Result {
   double rate;  // mean over the run: GB/s (decode) or GFLOP/s (prefill)
   double us;    // mean per call
@@ -178,6 +219,8 @@ struct Options {
   // calls for one layer. Warm (--warm): back-to-back calls, so that
   // working sets up to a few times the L3 partly hit it.
   bool cold = true;
+  bool ab = false;  // --vs: time `vs` against `params` call by call
+  AttentionParams vs;
 };
 
 // Reads 3x the L3 size (32 MB on this machine's EPYC; 96 MiB covers L3s
@@ -200,9 +243,17 @@ class CacheFlusher {
 // 20 ms at this machine's single-thread bandwidth.
 constexpr size_t kReadBytes = size_t{256} << 20;
 
-Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
-               const Options& o, Bandwidth* bw, CacheFlusher* flusher) {
-  const double seconds = o.seconds;
+// One case's cache (filled with small finite values), rows and query, and
+// the work of one call: K+V bytes (decode), or FLOPs (prefill: each of the
+// row's query tokens at position p multiplies p + 1 keys and values).
+struct Setup {
+  std::unique_ptr<KvCache> cache;
+  AttentionRows rows;
+  Tensor q;
+  double work;
+};
+
+Setup MakeSetup(DType dtype, int64_t ctx, int64_t batch, const Options& o) {
   CacheConfig c;
   c.block_size = 16;
   c.num_kv_heads = o.kv_heads;
@@ -212,11 +263,12 @@ Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
   c.layout = o.layout;
   const int64_t per_row = (ctx + 15) / 16;
   c.num_blocks = per_row * batch;
-  auto cache = *KvCache::Create(c, CpuDevice());
-  // Fill with small finite values.
-  std::memset(cache->key(0).raw_data(), 0x11, cache->key(0).nbytes());
-  std::memset(cache->value(0).raw_data(), 0x11, cache->value(0).nbytes());
-  AttentionRows rows;
+  Setup st;
+  st.cache = *KvCache::Create(c, CpuDevice());
+  KvCache& cache = *st.cache;
+  std::memset(cache.key(0).raw_data(), 0x11, cache.key(0).nbytes());
+  std::memset(cache.value(0).raw_data(), 0x11, cache.value(0).nbytes());
+  AttentionRows& rows = st.rows;
   rows.width = per_row;
   rows.num_real = batch;
   std::vector<int64_t> perm(c.num_blocks);
@@ -226,20 +278,28 @@ Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
   const int64_t nq = o.prefill > 0 ? std::min(o.prefill, ctx) : 1;
   for (int64_t r = 0; r <= batch; ++r) rows.query_start.push_back(r * nq);
   rows.seq_lens.assign(batch, ctx);
-  const DType act = dtype == DType::kFloat32 ? DType::kFloat32 : dtype;
-  Tensor q = *Tensor::Zeros(CpuDevice(), act, {batch * nq, 32, 128});
-  std::memset(q.raw_data(), 0x11, q.nbytes());
+  st.q = *Tensor::Zeros(CpuDevice(), dtype, {batch * nq, 32, 128});
+  std::memset(st.q.raw_data(), 0x11, st.q.nbytes());
+  st.work = 2.0 * batch * ctx * c.num_kv_heads * c.head_size *
+            static_cast<double>(DTypeSize(dtype));
+  if (o.prefill > 0) {
+    const double keys = static_cast<double>(nq) * ctx - nq * (nq - 1) / 2.0;
+    st.work = batch * 32.0 * keys * 2 * c.head_size * 2;
+  }
+  return st;
+}
+
+Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
+               const Options& o, Bandwidth* bw, CacheFlusher* flusher) {
+  const double seconds = o.seconds;
+  Setup st = MakeSetup(dtype, ctx, batch, o);
+  const KvCache* cache = st.cache.get();
+  const AttentionRows& rows = st.rows;
+  const Tensor& q = st.q;
+  const double work = st.work;
   ThreadPool pool(threads);
   const AttentionParams& p = o.params;
   Tensor out;
-  // Work per call: K+V bytes (decode), or FLOPs (prefill: each of the
-  // row's query tokens at position p multiplies p + 1 keys and values).
-  double work = 2.0 * batch * ctx * c.num_kv_heads * c.head_size *
-                static_cast<double>(DTypeSize(dtype));
-  if (o.prefill > 0) {
-    const double keys = static_cast<double>(nq) * ctx - nq * (nq - 1) / 2.0;
-    work = batch * 32.0 * keys * 2 * c.head_size * 2;
-  }
   (void)PagedAttention(*cache, 0, q, rows, p, &pool, &out);  // warm
   // Rounds of one read pass (at the same thread count) and then kernel
   // calls for about as long, so that the two see the same moments of this
@@ -271,6 +331,46 @@ Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
           read};
 }
 
+struct AbResult {
+  double best_a_us, best_b_us;
+  double median_ratio;  // over pairs (A, B) called back to back: B / A
+  int pairs;
+};
+
+// Alternates calls with o.params (A) and o.vs (B) on one cache and query,
+// each after its own flush (unless --warm), for about o.seconds.
+AbResult MeasureAb(DType dtype, int64_t ctx, int64_t batch, int threads,
+                   const Options& o, CacheFlusher* flusher) {
+  Setup st = MakeSetup(dtype, ctx, batch, o);
+  ThreadPool pool(threads);
+  Tensor out;
+  (void)PagedAttention(*st.cache, 0, st.q, st.rows, o.params, &pool, &out);
+  (void)PagedAttention(*st.cache, 0, st.q, st.rows, o.vs, &pool, &out);
+  auto call = [&](const AttentionParams& p) {
+    if (o.cold) flusher->Flush();
+    const double t = Now();
+    (void)PagedAttention(*st.cache, 0, st.q, st.rows, p, &pool, &out);
+    return Now() - t;
+  };
+  std::vector<double> ratios;
+  double best_a = 1e30, best_b = 1e30;
+  const double start = Now();
+  while (Now() - start < o.seconds || ratios.size() < 5) {
+    // Which one goes first alternates too, so that neither always follows
+    // the flush's or the other call's cache state.
+    const bool a_first = ratios.size() % 2 == 0;
+    const double ta = a_first ? call(o.params) : 0;
+    const double tb = call(o.vs);
+    const double ta2 = a_first ? ta : call(o.params);
+    best_a = std::min(best_a, ta2);
+    best_b = std::min(best_b, tb);
+    ratios.push_back(tb / ta2);
+  }
+  std::sort(ratios.begin(), ratios.end());
+  return {best_a * 1e6, best_b * 1e6, ratios[ratios.size() / 2],
+          static_cast<int>(ratios.size())};
+}
+
 }  // namespace
 }  // namespace kvstep
 
@@ -278,7 +378,7 @@ int main(int argc, char** argv) {
   using kvstep::DType;
   bool full = false, baseline = true;
   kvstep::Options o;
-  std::string only_dtype;
+  std::string only_dtype, vs_flag;
   int64_t only_ctx = 0, only_batch = 0, only_threads = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -292,20 +392,13 @@ int main(int argc, char** argv) {
       o.cold = false;
     } else if (a == "--no_baseline") {
       baseline = false;
-    } else if (a == "--portable" || a == "--isa=portable") {
-      o.params.isa = kvstep::AttentionParams::Isa::kPortable;
-    } else if (a == "--isa=avx2") {
-      o.params.isa = kvstep::AttentionParams::Isa::kAvx2;
-    } else if (a == "--isa=avx512") {
-      o.params.isa = kvstep::AttentionParams::Isa::kAvx512;
+    } else if (kvstep::ParseParamFlag(a, &o.params)) {
+    } else if (const char* v = value("--vs=")) {
+      vs_flag = std::string("--") + v;
     } else if (a == "--layout=nhd") {
       o.layout = kvstep::CacheLayout::kNhd;
     } else if (a == "--layout=vllm") {
       o.layout = kvstep::CacheLayout::kVllm;
-    } else if (a == "--kernel=v1") {
-      o.params.kernel = kvstep::AttentionParams::Kernel::kSinglePass;
-    } else if (a == "--kernel=v2") {
-      o.params.kernel = kvstep::AttentionParams::Kernel::kPartitioned;
     } else if (const char* v = value("--kv_heads=")) {
       o.kv_heads = std::stoll(v);
       if (o.kv_heads < 1 || 32 % o.kv_heads != 0) {
@@ -334,14 +427,25 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (!kvstep::IsaSupported(o.params.isa)) {
-    std::fprintf(stderr, "this CPU has no %s\n", kvstep::IsaName(o.params.isa));
-    return 2;
+  if (!vs_flag.empty()) {
+    o.ab = true;
+    o.vs = o.params;
+    if (!kvstep::ParseParamFlag(vs_flag, &o.vs)) {
+      std::fprintf(stderr, "--vs takes isa=... or kernel=..., not %s\n",
+                   vs_flag.c_str() + 2);
+      return 2;
+    }
   }
-  // The build kBest runs here, by name (the table header, the FMA peak's
-  // width); the kernel dispatches to the same one.
-  if (o.params.isa == kvstep::AttentionParams::Isa::kBest) {
-    o.params.isa = kvstep::BestIsa();
+  for (kvstep::AttentionParams* p : {&o.params, &o.vs}) {
+    if (!kvstep::IsaSupported(p->isa)) {
+      std::fprintf(stderr, "this CPU has no %s\n", kvstep::IsaName(p->isa));
+      return 2;
+    }
+    // The build kBest runs here, by name (the table header, the FMA peak's
+    // width); the kernel dispatches to the same one.
+    if (p->isa == kvstep::AttentionParams::Isa::kBest) {
+      p->isa = kvstep::BestIsa();
+    }
   }
   kvstep::Bandwidth bw(baseline ? size_t{1} << 30 : 64 << 20);
   kvstep::CacheFlusher flusher;
@@ -359,11 +463,8 @@ int main(int argc, char** argv) {
       "layout %s, kernel %s, %s instruction set; 32 query heads over %ld KV "
       "heads, head 128, block 16, random block tables; %s\n",
       o.layout == kvstep::CacheLayout::kVllm ? "vllm" : "nhd",
-      o.params.kernel == kvstep::AttentionParams::Kernel::kSinglePass ? "v1"
-      : o.params.kernel == kvstep::AttentionParams::Kernel::kPartitioned
-          ? "v2"
-          : "auto",
-      kvstep::IsaName(o.params.isa), static_cast<long>(o.kv_heads),
+      kvstep::KernelName(o.params.kernel), kvstep::IsaName(o.params.isa),
+      static_cast<long>(o.kv_heads),
       o.cold ? "cold caches (96 MiB read before each call, untimed)"
              : "warm caches (back-to-back calls)");
   const bool pf = o.prefill > 0;
@@ -374,10 +475,20 @@ int main(int argc, char** argv) {
         "(same thread count)\n",
         static_cast<long>(o.prefill));
   }
-  std::printf("%-9s %7s %6s %8s %10s %10s %9s %9s %9s %8s\n", "dtype",
-              "context", "batch", "threads", "us/call", "best us",
-              pf ? "mean GF/s" : "mean GB/s", pf ? "best GF/s" : "best GB/s",
-              pf ? "FMA GF/s" : "read GB/s", pf ? "of FMA" : "of read");
+  if (o.ab) {
+    std::printf(
+        "A/B: A = %s %s, B = %s %s, called alternately; \"B/A\" is the "
+        "median over pairs of B's time / A's\n",
+        kvstep::IsaName(o.params.isa), kvstep::KernelName(o.params.kernel),
+        kvstep::IsaName(o.vs.isa), kvstep::KernelName(o.vs.kernel));
+    std::printf("%-9s %7s %6s %8s %10s %10s %7s %6s\n", "dtype", "context",
+                "batch", "threads", "A best us", "B best us", "B/A", "pairs");
+  } else {
+    std::printf("%-9s %7s %6s %8s %10s %10s %9s %9s %9s %8s\n", "dtype",
+                "context", "batch", "threads", "us/call", "best us",
+                pf ? "mean GF/s" : "mean GB/s", pf ? "best GF/s" : "best GB/s",
+                pf ? "FMA GF/s" : "read GB/s", pf ? "of FMA" : "of read");
+  }
   const std::vector<int64_t> contexts =
       full ? std::vector<int64_t>{128, 512, 1024, 2048, 4096, 8192}
            : std::vector<int64_t>{128, 1024, 4096};
@@ -394,6 +505,17 @@ int main(int argc, char** argv) {
           continue;
         for (int threads : {1, 2}) {
           if (only_threads != 0 && threads != only_threads) continue;
+          if (o.ab) {
+            const kvstep::AbResult r =
+                kvstep::MeasureAb(d, ctx, batch, threads, o, &flusher);
+            std::printf("%-9s %7ld %6ld %8d %10.1f %10.1f %7.3f %6d\n",
+                        std::string(kvstep::DTypeName(d)).c_str(),
+                        static_cast<long>(ctx), static_cast<long>(batch),
+                        threads, r.best_a_us, r.best_b_us, r.median_ratio,
+                        r.pairs);
+            std::fflush(stdout);
+            continue;
+          }
           const kvstep::Result r = kvstep::Measure(
               d, ctx, batch, threads, o, baseline ? &bw : nullptr, &flusher);
           const double read = r.baseline;
