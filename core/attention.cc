@@ -279,6 +279,22 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   // attention_bench on 2 threads, batch 1, bf16 (docs/attention.md): one KV
   // head, v2 takes 0.53x v1's time; two, about equal; eight, v1 is as fast
   // or faster, since v2 adds a reduction pass.
+  // Small calls run on the caller alone: a second thread wakes tens of us
+  // late on this VM and then competes for the same memory, so under 4 MiB
+  // of K/V two threads took longer than one (attention_bench, bf16, batch
+  // 1, two threads, cold caches: context 128 2.5x and 512 1.8x the time of
+  // the caller alone; 4 MiB and up about equal or ahead; see
+  // docs/attention.md). The measure is K/V bytes times query tokens, so
+  // that a prefill chunk, which does far more arithmetic per byte, goes
+  // parallel sooner.
+  double pairs = 0;  // (query token, key) pairs, keys counted to seq_len
+  for (int64_t r = 0; r < rows.num_real; ++r) {
+    pairs += static_cast<double>(rows.seq_lens[r]) *
+             static_cast<double>(rows.query_start[r + 1] - rows.query_start[r]);
+  }
+  const double bytes = pairs * 2.0 * static_cast<double>(kvh * D) *
+                       static_cast<double>(DTypeSize(cache.config().dtype));
+  if (bytes < static_cast<double>(p.parallel_min_bytes)) pool = nullptr;
   const int threads = pool != nullptr ? pool->num_threads() : 1;
   const bool partitioned =
       p.kernel == AttentionParams::Kernel::kPartitioned ||
@@ -569,6 +585,9 @@ absl::Status ValidateAttention(const CacheConfig& c, const Tensor& query,
   }
   if (p.partition_size < 1) {
     return absl::InvalidArgumentError("partition_size must be >= 1");
+  }
+  if (p.parallel_min_bytes < 0) {
+    return absl::InvalidArgumentError("parallel_min_bytes must be >= 0");
   }
   return absl::OkStatus();
 }

@@ -41,6 +41,11 @@ struct AttentionParams {
   enum class Kernel { kAuto, kSinglePass, kPartitioned };
   Kernel kernel = Kernel::kAuto;
   int64_t partition_size = 512;
+  // Calls that read less K/V than this (bytes, times the query tokens of
+  // each row) run on the calling thread alone, pool or not: below it a
+  // woken thread cost more than it saved (docs/attention.md). 0: always
+  // use the pool (tests of the threaded paths).
+  int64_t parallel_min_bytes = int64_t{4} << 20;
   // kBest runs the widest kernel this CPU has: AVX-512 (F, BW, VL, DQ and
   // BF16, as on Zen 4/5 and Sapphire Rapids), else AVX2+FMA+F16C, else
   // portable x86-64. The others force one, for tests and benchmarks of that

@@ -313,7 +313,8 @@ void Check(const Case& k) {
   for (auto [kernel, isa] : runs) {
     p.kernel = kernel;
     p.isa = isa;
-    p.partition_size = 16;  // several partitions even for short contexts
+    p.partition_size = 16;     // several partitions even for short contexts
+    p.parallel_min_bytes = 0;  // both threads, however small the call
     Tensor out;
     absl::Status s = PagedAttention(*cache, layer, query, rows, p, &pool, &out);
     ASSERT_TRUE(s.ok()) << s;
@@ -544,6 +545,11 @@ TEST(PagedAttention, ValidationNamesTheRow) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(PagedAttention(*cache, 1, q, rows, {}, nullptr, &out).code(),
             absl::StatusCode::kOutOfRange);
+  p = {};
+  p.parallel_min_bytes = -1;
+  s = PagedAttention(*cache, 0, q, rows, p, nullptr, &out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("parallel_min_bytes"));
 }
 
 }  // namespace
