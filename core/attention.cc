@@ -274,11 +274,6 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   for (int64_t r = 0; r < rows.num_real; ++r)
     max_len = std::max(max_len, rows.seq_lens[r]);
   const int64_t max_parts = (max_len + P - 1) / P;
-  // Auto: partition only when (row, KV head) items are too few to keep the
-  // threads busy and contexts are long enough to split. Measured with
-  // attention_bench on 2 threads, batch 1, bf16 (docs/attention.md): one KV
-  // head, v2 takes 0.53x v1's time; two, about equal; eight, v1 is as fast
-  // or faster, since v2 adds a reduction pass.
   // Small calls run on the caller alone: a second thread wakes tens of us
   // late on this VM and then competes for the same memory, so under 4 MiB
   // of K/V two threads took longer than one (attention_bench, bf16, batch
@@ -296,6 +291,11 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
                        static_cast<double>(DTypeSize(cache.config().dtype));
   if (bytes < static_cast<double>(p.parallel_min_bytes)) pool = nullptr;
   const int threads = pool != nullptr ? pool->num_threads() : 1;
+  // Auto: partition only when (row, KV head) items are too few to keep the
+  // threads busy and contexts are long enough to split. Measured with
+  // attention_bench on 2 threads, batch 1, bf16 (docs/attention.md): one KV
+  // head, v2 takes 0.53x v1's time; two, about equal; eight, v1 is as fast
+  // or faster, since v2 adds a reduction pass.
   const bool partitioned =
       p.kernel == AttentionParams::Kernel::kPartitioned ||
       (p.kernel == AttentionParams::Kernel::kAuto && max_parts > 1 &&

@@ -16,8 +16,9 @@
 // Work is split by (row, KV head): the query heads of a GQA group share each
 // K/V block read. The partitioned kernel (vLLM v2) also splits long
 // contexts into partitions reduced by max/exp-sum, for parallelism when
-// there are few rows. Thread-compatible: the caller serializes writers of
-// the cache.
+// there are few rows. Calls smaller than params.parallel_min_bytes run on
+// the calling thread only. Thread-compatible: the caller serializes
+// writers of the cache.
 #ifndef KVSTEP_CORE_ATTENTION_H_
 #define KVSTEP_CORE_ATTENTION_H_
 
