@@ -271,8 +271,12 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   const int64_t G = a.group();
   const int64_t P = p.partition_size;
   int64_t max_len = 0;
-  for (int64_t r = 0; r < rows.num_real; ++r)
+  double pairs = 0;  // (query token, key) pairs, keys counted to seq_len
+  for (int64_t r = 0; r < rows.num_real; ++r) {
     max_len = std::max(max_len, rows.seq_lens[r]);
+    pairs += static_cast<double>(rows.seq_lens[r]) *
+             static_cast<double>(rows.query_start[r + 1] - rows.query_start[r]);
+  }
   const int64_t max_parts = (max_len + P - 1) / P;
   // Small calls run on the caller alone: a second thread wakes tens of us
   // late on this VM and then competes for the same memory, so under 4 MiB
@@ -282,11 +286,6 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   // docs/attention.md). The measure is K/V bytes times query tokens, so
   // that a prefill chunk, which does far more arithmetic per byte, goes
   // parallel sooner.
-  double pairs = 0;  // (query token, key) pairs, keys counted to seq_len
-  for (int64_t r = 0; r < rows.num_real; ++r) {
-    pairs += static_cast<double>(rows.seq_lens[r]) *
-             static_cast<double>(rows.query_start[r + 1] - rows.query_start[r]);
-  }
   const double bytes = pairs * 2.0 * static_cast<double>(kvh * D) *
                        static_cast<double>(DTypeSize(cache.config().dtype));
   if (bytes < static_cast<double>(p.parallel_min_bytes)) pool = nullptr;
