@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -165,6 +166,11 @@ struct Scratch {
   std::vector<float> weights;    // a partial block's weights, zero-padded
   std::vector<float> m, s, acc;  // a chunk's results (Partial's outputs)
 };
+
+// Passes over fp16 keys or values that met an Inf or NaN (or a query of
+// 2^16 or more) and were redone by conversion (attention_kernel.inc,
+// SplitHalvesZ), for tests: internal::HalfSplitFallbacks.
+std::atomic<int64_t> half_split_fallbacks{0};
 
 // The kernel, once per instruction set (see core/attention_kernel.inc):
 // each inclusion under a `target` applied to every function in it.
@@ -506,6 +512,15 @@ void ConvertCacheElements(DType dtype, const void* src, int64_t n, float scale,
         portable::ConvertRow<Elem>(src, n, scale, out);
     }
   });
+}
+
+int64_t HalfSplitFallbacks() { return half_split_fallbacks.load(); }
+
+bool SplitHalvesForTest(const uint16_t* src, int64_t n, float* out) {
+#ifdef KVSTEP_ATTN_X86
+  if (IsaSupported(Isa::kAvx512)) return avx512::SplitHalfRow(src, n, out);
+#endif
+  std::abort();  // the test checks IsaSupported(kAvx512) first
 }
 }  // namespace internal
 

@@ -97,6 +97,14 @@ namespace internal {
 // `scale` for fp8) to floats, for tests.
 void ConvertCacheElements(DType dtype, const void* src, int64_t n, float scale,
                           AttentionParams::Isa isa, float* out);
+// The AVX-512 build's split of fp16 pairs into floats (SplitHalvesZ in
+// core/attention_kernel.inc) over n halves, n a multiple of 32, back in
+// order and undone (times 2^112): false if its Inf/NaN check fired. Only
+// where IsaSupported(kAvx512).
+bool SplitHalvesForTest(const uint16_t* src, int64_t n, float* out);
+// How many fp16 K or V passes were redone by conversion since the process
+// started (an Inf or NaN in the cache, or a query of 2^16 or more).
+int64_t HalfSplitFallbacks();
 }  // namespace internal
 
 }  // namespace kvstep

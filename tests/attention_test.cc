@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <tuple>
 #include <utility>
@@ -116,6 +117,37 @@ TEST(FloatConvert, KernelConversionsMatchTheScalarDecoders) {
         ASSERT_TRUE(same(out[i], Fp8E5M2ToFloat(b[i]) * scale)) << "e5m2 " << i;
       }
     }
+  }
+}
+
+// The AVX-512 build reads fp16 keys and values by pairs, with integer ops
+// that leave each half's bits as a float 2^112 times smaller: exact for
+// every finite code (subnormals and -0 included), and Inf and NaN, which
+// that would turn finite, are flagged wherever they sit among 32 halves.
+TEST(FloatConvert, Avx512HalfPairsAreExactAndFlagInfAndNan) {
+  if (!IsaSupported(AttentionParams::Isa::kAvx512)) {
+    GTEST_SKIP() << "no AVX-512 on this CPU: the split is not built for it";
+  }
+  std::vector<uint16_t> finite, special;
+  for (uint32_t i = 0; i < 0x10000; ++i) {
+    ((i & 0x7c00) == 0x7c00 ? special : finite)
+        .push_back(static_cast<uint16_t>(i));
+  }
+  ASSERT_EQ(special.size(), 2048u);
+  finite.resize((finite.size() + 31) / 32 * 32, 0);
+  std::vector<float> out(finite.size());
+  EXPECT_TRUE(
+      internal::SplitHalvesForTest(finite.data(), finite.size(), out.data()));
+  for (size_t i = 0; i < finite.size(); ++i) {
+    ASSERT_EQ(FloatBits(out[i]), FloatBits(HalfToFloat(finite[i])))
+        << "fp16 " << finite[i];
+  }
+  std::vector<uint16_t> unit(32);
+  for (size_t i = 0; i < special.size(); ++i) {
+    std::fill(unit.begin(), unit.end(), FloatToHalf(-1.5f));
+    unit[i % 32] = special[i];  // every position, even and odd
+    EXPECT_FALSE(internal::SplitHalvesForTest(unit.data(), 32, out.data()))
+        << "fp16 " << special[i] << " at " << i % 32;
   }
 }
 
@@ -389,6 +421,9 @@ TEST(PagedAttention, DtypesAndGqaRatios) {
 // 128 and 80 (five 16-dim chunks: a partial NHD value tile), and GQA
 // groups of 4 and 3 (a tile repeating a head).
 TEST(PagedAttention, WideTilesBlockSizesAndActivations) {
+  // fp16 passes by pairs check the valid tokens for Inf and NaN only: the
+  // NaN in unwritten slots must not send them to the converting redo.
+  const int64_t redone = internal::HalfSplitFallbacks();
   const Dtypes dtypes[] = {{DType::kBFloat16, DType::kBFloat16},
                            {DType::kBFloat16, DType::kFloat32},
                            {DType::kFloat16, DType::kFloat16},
@@ -405,6 +440,117 @@ TEST(PagedAttention, WideTilesBlockSizesAndActivations) {
           k.context = 70;  // several blocks, the last one partial
           Check(k);
           if (HasFatalFailure()) return;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(internal::HalfSplitFallbacks(), redone);
+}
+
+// An Inf or NaN written into an fp16 cache reaches the output as it would
+// through a plain conversion (the AVX-512 passes by pairs would turn it
+// finite, and redo the pass), and a query that the pairs' 2^112 would
+// overflow is still exact. One decode row of 40 tokens, GQA 4, block sizes
+// 16 (a two-block sweep, then a partial block) and 32, the odd value at
+// a token of a whole block or of the partial one.
+TEST(PagedAttention, Fp16InfAndNanInTheCacheAndHugeQueries) {
+  const int64_t D = 128, H = 8, KV = 2, G = H / KV, n = 40;
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int64_t bs : {16, 32}) {
+    for (int64_t tok : {5, 35}) {
+      for (float odd : {inf, -inf, std::nanf(""), 0.0f}) {
+        for (bool key : {false, true}) {
+          if (odd == 0 && key) continue;  // the query case needs one run
+          SCOPED_TRACE(::testing::Message()
+                       << "block " << bs << " token " << tok << " value " << odd
+                       << (key ? " key" : " value"));
+          CacheConfig c;
+          c.num_blocks = 8;
+          c.block_size = bs;
+          c.num_layers = 1;
+          c.num_kv_heads = KV;
+          c.head_size = D;
+          c.dtype = DType::kFloat16;
+          auto cache = *KvCache::Create(c, CpuDevice());
+          std::memset(cache->key(0).raw_data(), 0xff, cache->key(0).nbytes());
+          std::memset(cache->value(0).raw_data(), 0xff,
+                      cache->value(0).nbytes());
+          std::mt19937_64 rng(static_cast<uint64_t>(bs * 100 + tok));
+          std::uniform_real_distribution<float> uni(-1, 1);
+          std::vector<float> kraw(n * KV * D), vraw(n * KV * D), qraw(H * D);
+          for (auto* v : {&kraw, &vraw, &qraw}) {
+            for (float& x : *v) x = HalfToFloat(FloatToHalf(uni(rng)));
+          }
+          // KV head 1, dim 3. odd == 0: instead, query head 0's dim 7 is
+          // 2^20, 2^16.5 once scaled (its keys' dim 7 picks its token).
+          if (odd != 0) {
+            (key ? kraw : vraw)[(tok * KV + 1) * D + 3] = odd;
+          } else {
+            qraw[7] = 0x1p20f;
+          }
+          AttentionRows rows;
+          rows.num_real = 1;
+          rows.width = 8;
+          rows.query_start = {0, 1};
+          rows.seq_lens = {n};
+          rows.block_tables = {6, 2, 4, 0, 1, 3, 5, 7};
+          std::vector<int64_t> slots(n);
+          for (int64_t p = 0; p < n; ++p) {
+            slots[p] = rows.block_tables[p / bs] * bs + p % bs;
+          }
+          ASSERT_TRUE(
+              ReshapeAndCache(
+                  *cache, 0, Activations(DType::kFloat32, {n, KV, D}, kraw),
+                  Activations(DType::kFloat32, {n, KV, D}, vraw), slots, 1, 1)
+                  .ok());
+          const Tensor q = Activations(DType::kFloat32, {1, H, D}, qraw);
+          // What a converting kernel computes (FastExp's NaN and -inf
+          // weights are 0, as std::exp's are for -inf).
+          std::vector<double> ref(H * D, 0.0);
+          for (int64_t h = 0; h < H; ++h) {
+            const int64_t g = h / G;
+            std::vector<double> w(n);
+            for (int64_t j = 0; j < n; ++j) {
+              double dot = 0;
+              for (int64_t d = 0; d < D; ++d) {
+                dot += double{qraw[h * D + d]} * kraw[(j * KV + g) * D + d];
+              }
+              w[j] = dot / std::sqrt(double{D});
+            }
+            double m = -inf;
+            for (double l : w) m = std::isnan(l) ? m : std::max(m, l);
+            double sum = 0;
+            for (double& l : w) {
+              l = std::isnan(l - m) ? 0.0 : std::exp(l - m);
+              sum += l;
+            }
+            for (int64_t j = 0; j < n; ++j) {
+              for (int64_t d = 0; d < D; ++d) {
+                ref[h * D + d] += w[j] / sum * vraw[(j * KV + g) * D + d];
+              }
+            }
+          }
+          const int64_t before = internal::HalfSplitFallbacks();
+          for (auto isa : TestedIsas()) {
+            AttentionParams p;
+            p.isa = isa;
+            Tensor out;
+            ASSERT_TRUE(
+                PagedAttention(*cache, 0, q, rows, p, nullptr, &out).ok());
+            for (int64_t i = 0; i < H * D; ++i) {
+              const double got = out.data<float>()[i];
+              if (!std::isfinite(ref[i])) {
+                EXPECT_FALSE(std::isfinite(got))
+                    << "element " << i << " isa " << IsaName(isa);
+              } else {
+                ASSERT_NEAR(got, ref[i], 1e-3 + 1e-5 * std::fabs(ref[i]))
+                    << "element " << i << " isa " << IsaName(isa);
+              }
+            }
+          }
+          if (IsaSupported(AttentionParams::Isa::kAvx512)) {
+            EXPECT_GT(internal::HalfSplitFallbacks(), before);
+          }
         }
       }
     }
