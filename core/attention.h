@@ -105,6 +105,9 @@ bool SplitHalvesForTest(const uint16_t* src, int64_t n, float* out);
 // How many fp16 K or V passes were redone by conversion since the process
 // started (an Inf or NaN in the cache, or a query of 2^16 or more).
 int64_t HalfSplitFallbacks();
+// How many consecutive (row, KV head) items of n a thread claims at a time
+// (kvh KV heads a row, `threads` threads); see attention.cc.
+int64_t ClaimSize(int64_t n, int64_t kvh, int64_t threads);
 }  // namespace internal
 
 }  // namespace kvstep

@@ -652,6 +652,33 @@ TEST(ReshapeAndCache, VllmLayoutOffsets) {
   EXPECT_THAT(std::string(s.message()), HasSubstr("slot_mapping[0] = 32"));
 }
 
+// Threads claim a row's KV heads together (they share its blocks), in
+// claims that divide the items evenly among the threads, or that are many.
+TEST(PagedAttention, ClaimSizeKeepsHeadsTogetherAndThreadsEven) {
+  EXPECT_EQ(internal::ClaimSize(8, 8, 2), 4);      // batch 1: half a row each
+  EXPECT_EQ(internal::ClaimSize(24, 8, 2), 6);     // 3 rows: 4 claims
+  EXPECT_EQ(internal::ClaimSize(128, 8, 2), 8);    // a row per claim
+  EXPECT_EQ(internal::ClaimSize(2048, 8, 16), 8);  // 256 claims
+  EXPECT_EQ(internal::ClaimSize(96, 32, 2), 24);   // MHA, 3 rows: 4 claims
+  EXPECT_EQ(internal::ClaimSize(6, 2, 2), 1);      // 3 claims of 2: uneven
+  EXPECT_EQ(internal::ClaimSize(8, 8, 16), 1);     // more threads than items
+  EXPECT_EQ(internal::ClaimSize(40, 8, 1), 8);     // one thread: whole rows
+  EXPECT_EQ(internal::ClaimSize(5, 1, 2), 1);      // MQA
+  for (int64_t threads : {1, 2, 3, 8}) {
+    for (int64_t kvh : {1, 2, 4, 8, 32}) {
+      for (int64_t rows = 1; rows <= 40; ++rows) {
+        const int64_t n = rows * kvh, g = internal::ClaimSize(n, kvh, threads);
+        ASSERT_GE(g, 1);
+        ASSERT_LE(g, kvh);
+        if (g == 1) continue;
+        ASSERT_EQ(n % g, 0) << n << " " << g;
+        ASSERT_TRUE((n / g) % threads == 0 || n / g >= 8 * threads)
+            << n << " items, " << threads << " threads, claims of " << g;
+      }
+    }
+  }
+}
+
 TEST(PagedAttention, ValidationNamesTheRow) {
   CacheConfig c;
   c.num_blocks = 4;
