@@ -14,7 +14,11 @@
 //       [--dtype=bfloat16] [--context=N] [--batch=N] [--threads=N]
 //       [--kernel=v1|v2] [--isa=avx512|avx2|portable] [--kv_heads=8]
 //       [--prefill=N] [--warm] [--vs=isa=avx2|kernel=v1|kernel=v2|...]
-// (the filters run one slice of the grid, e.g. under perf).
+//       [--pool_mib=N]
+// (the filters run one slice of the grid, e.g. under perf). --pool_mib
+// draws the batch's blocks from a pool of at least N MiB, as in a server
+// whose pool is far larger than one batch; by default the pool is the
+// batch's blocks, so small batches read from a small region.
 //
 // --vs=FLAG (any of --isa=, --kernel=) times a second configuration call by
 // call against the first, in the same process and on the same cache: A, B,
@@ -214,6 +218,9 @@ struct Options {
   double seconds = 0.3;
   int64_t kv_heads = 8;  // of 32 query heads
   int64_t prefill = 0;   // query tokens per row; 0: decode (one)
+  // The pool's K+V size at least (MiB), the batch's blocks drawn at random
+  // from all of it; 0: the batch's blocks only (--pool_mib=).
+  int64_t pool_mib = 0;
   // Cold: each call starts with the layer's K/V out of the caches, as in a
   // served model, where the other layers' K/V pass through L3 between two
   // calls for one layer. Warm (--warm): back-to-back calls, so that
@@ -262,7 +269,9 @@ Setup MakeSetup(DType dtype, int64_t ctx, int64_t batch, const Options& o) {
   c.dtype = dtype;
   c.layout = o.layout;
   const int64_t per_row = (ctx + 15) / 16;
-  c.num_blocks = per_row * batch;
+  const int64_t block_bytes =
+      2 * c.block_size * c.num_kv_heads * c.head_size * DTypeSize(dtype);
+  c.num_blocks = std::max(per_row * batch, (o.pool_mib << 20) / block_bytes);
   Setup st;
   st.cache = *KvCache::Create(c, CpuDevice());
   KvCache& cache = *st.cache;
@@ -274,6 +283,7 @@ Setup MakeSetup(DType dtype, int64_t ctx, int64_t batch, const Options& o) {
   std::vector<int64_t> perm(c.num_blocks);
   std::iota(perm.begin(), perm.end(), 0);
   std::shuffle(perm.begin(), perm.end(), std::mt19937_64(1));
+  perm.resize(per_row * batch);
   rows.block_tables = perm;
   const int64_t nq = o.prefill > 0 ? std::min(o.prefill, ctx) : 1;
   for (int64_t r = 0; r <= batch; ++r) rows.query_start.push_back(r * nq);
@@ -399,6 +409,12 @@ int main(int argc, char** argv) {
       o.layout = kvstep::CacheLayout::kNhd;
     } else if (a == "--layout=vllm") {
       o.layout = kvstep::CacheLayout::kVllm;
+    } else if (const char* v = value("--pool_mib=")) {
+      o.pool_mib = std::stoll(v);
+      if (o.pool_mib < 0) {
+        std::fprintf(stderr, "--pool_mib must be >= 0\n");
+        return 2;
+      }
     } else if (const char* v = value("--kv_heads=")) {
       o.kv_heads = std::stoll(v);
       if (o.kv_heads < 1 || 32 % o.kv_heads != 0) {
