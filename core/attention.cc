@@ -314,7 +314,7 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   const double bytes = pairs * 2.0 * static_cast<double>(kvh * D) *
                        static_cast<double>(DTypeSize(cache.config().dtype));
   if (bytes < static_cast<double>(p.parallel_min_bytes)) pool = nullptr;
-  const int threads = pool != nullptr ? pool->num_threads() : 1;
+  const int64_t threads = pool != nullptr ? pool->num_threads() : 1;
   // Auto: partition only when (row, KV head) items are too few to keep the
   // threads busy and contexts are long enough to split. Measured with
   // attention_bench on 2 threads, batch 1, bf16 (docs/attention.md): one KV
@@ -336,7 +336,6 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   // (a fresh one per item cost a malloc and a memset of tens of KB each)
   // and freed when the call returns. Items are claimed from a counter, g
   // consecutive ones at a time, so uneven ones still balance.
-  const int64_t slots = pool != nullptr ? pool->num_threads() : 1;
   auto run_items = [&](const std::function<void(Scratch&, int64_t)>& fn,
                        int64_t n, int64_t g) {
     std::atomic<int64_t> next{0};
@@ -350,7 +349,7 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
             for (int64_t j = i; j < std::min(n, i + g); ++j) fn(scratch, j);
           }
         },
-        std::min(slots, (n + g - 1) / g));
+        std::min(threads, (n + g - 1) / g));
   };
   if (!partitioned) {
     run_items(
@@ -367,7 +366,7 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
             }
           }
         },
-        rows.num_real * kvh, ClaimSize(rows.num_real * kvh, kvh, slots));
+        rows.num_real * kvh, ClaimSize(rows.num_real * kvh, kvh, threads));
     return;
   }
   // Partitioned: item (row, kv head, partition) computes partial results
