@@ -14,24 +14,25 @@
 //       [--dtype=bfloat16] [--context=N] [--batch=N] [--threads=N]
 //       [--kernel=v1|v2] [--isa=avx512|avx2|portable] [--kv_heads=8]
 //       [--prefill=N] [--warm] [--vs=isa=avx2|kernel=v1|kernel=v2|...]
-//       [--pool_mib=N]
+//       [--pool_mib=N] [--prefetch=auto|nta|t0|t1] [--flush_mib=96]
 // (the filters run one slice of the grid, e.g. under perf). --pool_mib
 // draws the batch's blocks from a pool of at least N MiB, as in a server
 // whose pool is far larger than one batch; by default the pool is the
 // batch's blocks, so small batches read from a small region.
 //
-// --vs=FLAG (any of --isa=, --kernel=) times a second configuration call by
-// call against the first, in the same process and on the same cache: A, B,
-// A, B, ... each after its own cache flush. It prints both best times and
-// the median over pairs of B's time / A's, which resolves differences of a
-// few percent that this shared VM's drift (5-10% from run to run) hides
-// between two separate runs.
+// --vs=FLAG (any of --isa=, --kernel=, --prefetch=) times a second
+// configuration call by call against the first, in the same process and on the
+// same cache: A, B, A, B, ... each after its own cache flush. It prints both
+// best times and the median over pairs of B's time / A's, which resolves
+// differences of a few percent that this shared VM's drift (5-10% from run to
+// run) hides between two separate runs.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
@@ -43,6 +44,7 @@
 #endif
 
 #include "core/attention.h"
+#include "core/device.h"
 #include "core/float_convert.h"
 
 namespace kvstep {
@@ -64,48 +66,87 @@ double TimeOnThreads(int threads, const std::function<void(int)>& fn) {
   return Now() - t;
 }
 
+// Sums of the 64-bit words in [p, p + n), n a multiple of 32 words: 8
+// independent lanes (vectorized, so that memory and not add latency bounds
+// it), 512-bit loads where the CPU has AVX-512 (on an Intel Xeon with AMX
+// they read 5% faster than 128-bit ones).
+uint64_t SumWords(const uint64_t* p, size_t n) {
+  uint64_t s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (size_t i = 0; i + 8 <= n; i += 8) {
+    for (int k = 0; k < 8; ++k) s[k] += p[i + k];
+  }
+  return std::accumulate(s, s + 8, uint64_t{0});
+}
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) uint64_t SumWords512(const uint64_t* p,
+                                                        size_t n) {
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+  for (size_t i = 0; i + 32 <= n; i += 32) {
+    a0 = _mm512_add_epi64(a0, _mm512_loadu_si512(p + i));
+    a1 = _mm512_add_epi64(a1, _mm512_loadu_si512(p + i + 8));
+    a2 = _mm512_add_epi64(a2, _mm512_loadu_si512(p + i + 16));
+    a3 = _mm512_add_epi64(a3, _mm512_loadu_si512(p + i + 24));
+  }
+  return static_cast<uint64_t>(_mm512_reduce_add_epi64(
+      _mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3))));
+}
+#endif
+
 // STREAM-like bandwidth over a warm buffer, kept for the whole run so that
 // each case can be compared with the read bandwidth of the same moment (a
-// neighbour on this shared VM moves it by 25% or more within minutes).
+// neighbour on this shared VM moves it by 25% or more within minutes). The
+// buffer comes from the CPU device, as the pool does: pre-touched and on
+// transparent huge pages. On 4 KB pages the same loop read 30% slower on an
+// Intel Xeon with AMX (9.9 against 14.6 GB/s), which made the kernel's
+// share look that much better than it was.
 class Bandwidth {
  public:
-  explicit Bandwidth(size_t bytes) : a_(bytes / 8) {
-    for (size_t i = 0; i < a_.size(); ++i) a_[i] = i;
+  explicit Bandwidth(size_t bytes)
+      : mem_(*CpuDevice()->Allocate(bytes / 256 * 256)),
+        a_(static_cast<uint64_t*>(mem_->data())),
+        n_(mem_->size() / 8) {
+    for (size_t i = 0; i < n_; ++i) a_[i] = i;
   }
 
   // GB/s of reading the first `bytes` on `threads` threads (each its own
-  // share), best of `reps`. The read sums 64-bit integers in 8 independent
-  // lanes (vectorized, so memory and not add latency bounds it).
+  // share), best of `reps`.
   double Read(int threads, size_t bytes, int reps) {
-    const size_t n = std::min(bytes / 8, a_.size());
+    const size_t n = std::min(bytes / 8, n_);
     double best = 0;
+#if defined(__x86_64__)
+    const bool wide = __builtin_cpu_supports("avx512f");
+#else
+    const bool wide = false;
+#endif
     auto part = [&](size_t lo, size_t hi) {
-      uint64_t s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (size_t i = lo; i + 8 <= hi; i += 8) {
-        for (int k = 0; k < 8; ++k) s[k] += a_[i + k];
+#if defined(__x86_64__)
+      if (wide) {
+        sink_ += SumWords512(a_ + lo, hi - lo);
+        return;
       }
-      uint64_t total = 0;
-      for (uint64_t v : s) total += v;
-      sink_ += total;
+#endif
+      sink_ += SumWords(a_ + lo, hi - lo);
     };
-    const size_t chunk = n / threads;
+    // Each thread's share a multiple of 32 words, as the sums want.
+    const size_t chunk = n / threads / 32 * 32;
     for (int rep = 0; rep < reps; ++rep) {
       const double dt = TimeOnThreads(
           threads, [&](int k) { part(k * chunk, (k + 1) * chunk); });
-      best = std::max(best, 8.0 * n / dt / 1e9);
+      best = std::max(best, 8.0 * chunk * threads / dt / 1e9);
     }
     return best;
   }
 
   // GB/s (read plus written bytes) of a single-thread memcpy, best of 5.
   double Copy() {
-    std::vector<uint64_t> b(a_.size(), 0);
+    std::shared_ptr<Allocation> b = *CpuDevice()->Allocate(n_ * 8);
     double best = 0;
     for (int rep = 0; rep < 5; ++rep) {
       const double t = Now();
-      std::memcpy(b.data(), a_.data(), a_.size() * 8);
-      best = std::max(best, 16.0 * a_.size() / (Now() - t) / 1e9);
-      sink_ += b[static_cast<size_t>(rep) * 12345 % b.size()];
+      std::memcpy(b->data(), a_, n_ * 8);
+      best = std::max(best, 16.0 * n_ / (Now() - t) / 1e9);
+      sink_ += static_cast<const uint64_t*>(
+          b->data())[static_cast<size_t>(rep) * 12345 % n_];
     }
     return best;
   }
@@ -115,7 +156,9 @@ class Bandwidth {
   }
 
  private:
-  std::vector<uint64_t> a_;
+  std::shared_ptr<Allocation> mem_;
+  uint64_t* a_;
+  size_t n_;
   std::atomic<uint64_t> sink_{0};
 };
 
@@ -183,7 +226,8 @@ const char* KernelName(AttentionParams::Kernel k) {
   return "auto";
 }
 
-// --isa=... and --kernel=... into *p; false for any other flag.
+// --isa=..., --kernel=... and --prefetch=... into *p; false for any other
+// flag.
 bool ParseParamFlag(const std::string& a, AttentionParams* p) {
   using Isa = AttentionParams::Isa;
   using Kernel = AttentionParams::Kernel;
@@ -199,6 +243,14 @@ bool ParseParamFlag(const std::string& a, AttentionParams* p) {
     p->kernel = Kernel::kPartitioned;
   } else if (a == "--kernel=auto") {
     p->kernel = Kernel::kAuto;
+  } else if (a == "--prefetch=nta") {
+    p->prefetch = AttentionParams::Prefetch::kNta;
+  } else if (a == "--prefetch=t0") {
+    p->prefetch = AttentionParams::Prefetch::kT0;
+  } else if (a == "--prefetch=t1") {
+    p->prefetch = AttentionParams::Prefetch::kT1;
+  } else if (a == "--prefetch=auto") {
+    p->prefetch = AttentionParams::Prefetch::kAuto;
   } else {
     return false;
   }
@@ -230,11 +282,13 @@ struct Options {
   AttentionParams vs;
 };
 
-// Reads 3x the L3 size (32 MB on this machine's EPYC; 96 MiB covers L3s
-// up to 32 MiB) through the calling thread, evicting the kernel's data.
+// Reads `bytes` (by default 96 MiB: 3x the L3 of the Zen 5 EPYC this was
+// first measured on) through the calling thread, evicting the kernel's
+// data. --flush_mib sets it; see docs/attention.md for how much the Intel
+// Xeon's larger shared L3 keeps.
 class CacheFlusher {
  public:
-  CacheFlusher() : a_((size_t{96} << 20) / 8, 1) {}
+  explicit CacheFlusher(size_t bytes) : a_(bytes / 8, 1) {}
   void Flush() {
     uint64_t s = 0;
     for (size_t i = 0; i < a_.size(); i += 8) s += a_[i];  // a line each
@@ -389,7 +443,7 @@ int main(int argc, char** argv) {
   bool full = false, baseline = true;
   kvstep::Options o;
   std::string only_dtype, vs_flag;
-  int64_t only_ctx = 0, only_batch = 0, only_threads = 0;
+  int64_t only_ctx = 0, only_batch = 0, only_threads = 0, flush_mib = 96;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&](const char* flag) -> const char* {
@@ -413,6 +467,12 @@ int main(int argc, char** argv) {
       o.pool_mib = std::stoll(v);
       if (o.pool_mib < 0) {
         std::fprintf(stderr, "--pool_mib must be >= 0\n");
+        return 2;
+      }
+    } else if (const char* v = value("--flush_mib=")) {
+      flush_mib = std::stoll(v);
+      if (flush_mib < 1) {
+        std::fprintf(stderr, "--flush_mib must be at least 1\n");
         return 2;
       }
     } else if (const char* v = value("--kv_heads=")) {
@@ -447,7 +507,8 @@ int main(int argc, char** argv) {
     o.ab = true;
     o.vs = o.params;
     if (!kvstep::ParseParamFlag(vs_flag, &o.vs)) {
-      std::fprintf(stderr, "--vs takes isa=... or kernel=..., not %s\n",
+      std::fprintf(stderr,
+                   "--vs takes isa=..., kernel=... or prefetch=..., not %s\n",
                    vs_flag.c_str() + 2);
       return 2;
     }
@@ -462,9 +523,12 @@ int main(int argc, char** argv) {
     if (p->isa == kvstep::AttentionParams::Isa::kBest) {
       p->isa = kvstep::BestIsa();
     }
+    if (p->prefetch == kvstep::AttentionParams::Prefetch::kAuto) {
+      p->prefetch = kvstep::BestPrefetch();
+    }
   }
   kvstep::Bandwidth bw(baseline ? size_t{1} << 30 : 64 << 20);
-  kvstep::CacheFlusher flusher;
+  kvstep::CacheFlusher flusher(static_cast<size_t>(flush_mib) << 20);
   if (baseline) {
     const double read1 = bw.Read(1, size_t{1} << 30, 5);
     const double read2 = bw.Read(2, size_t{1} << 30, 5);
@@ -476,13 +540,17 @@ int main(int argc, char** argv) {
         read1, read2, bw.Copy());
   }
   std::printf(
-      "layout %s, kernel %s, %s instruction set; 32 query heads over %ld KV "
-      "heads, head 128, block 16, random block tables; %s\n",
+      "layout %s, kernel %s, %s instruction set, %s prefetch; 32 query heads "
+      "over %ld KV heads, head 128, block 16, random block tables; ",
       o.layout == kvstep::CacheLayout::kVllm ? "vllm" : "nhd",
       kvstep::KernelName(o.params.kernel), kvstep::IsaName(o.params.isa),
-      static_cast<long>(o.kv_heads),
-      o.cold ? "cold caches (96 MiB read before each call, untimed)"
-             : "warm caches (back-to-back calls)");
+      kvstep::PrefetchName(o.params.prefetch), static_cast<long>(o.kv_heads));
+  if (o.cold) {
+    std::printf("cold caches (%ld MiB read before each call, untimed)\n",
+                static_cast<long>(flush_mib));
+  } else {
+    std::printf("warm caches (back-to-back calls)\n");
+  }
   const bool pf = o.prefill > 0;
   if (pf) {
     std::printf(
@@ -493,10 +561,11 @@ int main(int argc, char** argv) {
   }
   if (o.ab) {
     std::printf(
-        "A/B: A = %s %s, B = %s %s, called alternately; \"B/A\" is the "
-        "median over pairs of B's time / A's\n",
+        "A/B: A = %s %s %s prefetch, B = %s %s %s prefetch, called "
+        "alternately; \"B/A\" is the median over pairs of B's time / A's\n",
         kvstep::IsaName(o.params.isa), kvstep::KernelName(o.params.kernel),
-        kvstep::IsaName(o.vs.isa), kvstep::KernelName(o.vs.kernel));
+        kvstep::PrefetchName(o.params.prefetch), kvstep::IsaName(o.vs.isa),
+        kvstep::KernelName(o.vs.kernel), kvstep::PrefetchName(o.vs.prefetch));
     std::printf("%-9s %7s %6s %8s %10s %10s %7s %6s\n", "dtype", "context",
                 "batch", "threads", "A best us", "B best us", "B/A", "pairs");
   } else {

@@ -172,6 +172,34 @@ struct Scratch {
 // SplitHalvesZ), for tests: internal::HalfSplitFallbacks.
 std::atomic<int64_t> half_split_fallbacks{0};
 
+// Whether this CPU's vendor is one whose cores were measured faster with
+// non-temporal prefetches of K/V (see AttentionParams::prefetch): AMD's,
+// and Hygon's, whose cores are AMD's Zen.
+bool NtaVendor() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool amd = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return false;
+    char vendor[13] = {};
+    std::memcpy(vendor, &ebx, 4);
+    std::memcpy(vendor + 4, &edx, 4);
+    std::memcpy(vendor + 8, &ecx, 4);
+    return std::strcmp(vendor, "AuthenticAMD") == 0 ||
+           std::strcmp(vendor, "HygonGenuine") == 0;
+  }();
+  return amd;
+#else
+  return false;
+#endif
+}
+
+// How a call prefetches K/V: kAuto resolved for this CPU.
+AttentionParams::Prefetch ResolvePrefetch(AttentionParams::Prefetch p) {
+  if (p != AttentionParams::Prefetch::kAuto) return p;
+  return NtaVendor() ? AttentionParams::Prefetch::kNta
+                     : AttentionParams::Prefetch::kT1;
+}
+
 // The kernel, once per instruction set (see core/attention_kernel.inc):
 // each inclusion under a `target` applied to every function in it.
 #if defined(__x86_64__) || defined(__i386__)
@@ -511,6 +539,23 @@ const char* IsaName(AttentionParams::Isa isa) {
       return "portable x86-64";
     default:
       return "best";
+  }
+}
+
+AttentionParams::Prefetch BestPrefetch() {
+  return ResolvePrefetch(AttentionParams::Prefetch::kAuto);
+}
+
+const char* PrefetchName(AttentionParams::Prefetch prefetch) {
+  switch (prefetch) {
+    case AttentionParams::Prefetch::kNta:
+      return "prefetchnta";
+    case AttentionParams::Prefetch::kT0:
+      return "prefetcht0";
+    case AttentionParams::Prefetch::kT1:
+      return "prefetcht1";
+    default:
+      return "auto";
   }
 }
 

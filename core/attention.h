@@ -54,6 +54,17 @@ struct AttentionParams {
   // (see IsaSupported).
   enum class Isa { kBest, kAvx512, kAvx2, kPortable };
   Isa isa = Isa::kBest;
+  // The hint of the AVX-512 passes' software prefetches of K/V, lines each
+  // call reads once. Which is faster depends on the CPU, by far: on Zen 5
+  // prefetchnta (kNta) took 3-10% less time than prefetcht0 (kT0) and
+  // 15-34% less than prefetcht1/t2; on an Intel Xeon with AMX (Granite
+  // Rapids class) kNta took 1.6-1.9x the time of kT0, and prefetcht1 (kT1)
+  // 2-3% less than kT0 (docs/attention.md, session 8). kAuto: kNta on AMD
+  // (and Hygon) CPUs, kT1 elsewhere. The others force one, for benchmarks
+  // (attention_bench --vs=prefetch=...). The hint changes timing only,
+  // never a result.
+  enum class Prefetch { kAuto, kNta, kT0, kT1 };
+  Prefetch prefetch = Prefetch::kAuto;
 };
 
 // Whether this CPU runs `isa` (kBest and kPortable: always), its name, and
@@ -61,6 +72,9 @@ struct AttentionParams {
 bool IsaSupported(AttentionParams::Isa isa);
 const char* IsaName(AttentionParams::Isa isa);
 AttentionParams::Isa BestIsa();
+// What kAuto prefetches with on this CPU (never kAuto), and a hint's name.
+AttentionParams::Prefetch BestPrefetch();
+const char* PrefetchName(AttentionParams::Prefetch prefetch);
 
 struct AttentionRows {
   std::vector<int64_t> query_start;   // [n + 1], from 0 to num_tokens

@@ -194,6 +194,7 @@ struct Case {
   int64_t window = 0;
   int64_t context = 37;  // row 0's decode context
   uint64_t seed = 1;
+  AttentionParams::Prefetch prefetch = AttentionParams::Prefetch::kAuto;
 };
 
 Case Make(CacheLayout layout, DType cache, DType act, int64_t heads,
@@ -216,7 +217,8 @@ void Check(const Case& k) {
                << " heads " << k.heads << "/" << k.kv_heads << " cache "
                << DTypeName(k.cache) << " act " << DTypeName(k.act)
                << " layout " << CacheLayoutName(k.layout) << " alibi "
-               << k.alibi << " window " << k.window);
+               << k.alibi << " window " << k.window << " prefetch "
+               << PrefetchName(k.prefetch));
   std::mt19937_64 rng(k.seed);
   std::uniform_real_distribution<float> uni(-1, 1);
   // Rows: decode, prefill chunk of 5 after a cached context, decode at a
@@ -294,6 +296,7 @@ void Check(const Case& k) {
   p.k_scale = kscale;
   p.v_scale = vscale;
   p.sliding_window = k.window;
+  p.prefetch = k.prefetch;
   if (k.alibi) {
     for (int64_t h = 0; h < H; ++h)
       p.alibi_slopes.push_back(std::pow(2.0f, -(h + 1)));
@@ -408,6 +411,31 @@ TEST(PagedAttention, DtypesAndGqaRatios) {
         Check(k);
         if (HasFatalFailure()) return;
       }
+    }
+  }
+}
+
+// Every prefetch hint (the AVX-512 build's 16-lane passes take it; the
+// other builds run the same cases) against the reference: a hint must
+// change timing only. And kAuto resolves to a hint, by this CPU's vendor.
+TEST(PagedAttention, EveryPrefetchHint) {
+  const AttentionParams::Prefetch best = BestPrefetch();
+  EXPECT_NE(best, AttentionParams::Prefetch::kAuto);
+  EXPECT_STRNE(PrefetchName(best),
+               PrefetchName(AttentionParams::Prefetch::kAuto));
+  const Dtypes dtypes[] = {{DType::kBFloat16, DType::kBFloat16},
+                           {DType::kFloat16, DType::kFloat16},
+                           {DType::kFloat32, DType::kFloat32}};
+  for (auto hint :
+       {AttentionParams::Prefetch::kNta, AttentionParams::Prefetch::kT0,
+        AttentionParams::Prefetch::kT1}) {
+    for (const Dtypes& d : dtypes) {
+      Case k = Make(CacheLayout::kVllm, d.cache, d.act, 8, 2);
+      k.head_size = 128;
+      k.context = 100;  // several sweeps and prefetches ahead
+      k.prefetch = hint;
+      Check(k);
+      if (HasFatalFailure()) return;
     }
   }
 }
