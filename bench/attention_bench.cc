@@ -14,7 +14,7 @@
 //       [--dtype=bfloat16] [--context=N] [--batch=N] [--threads=N]
 //       [--kernel=v1|v2] [--isa=avx512|avx2|portable] [--kv_heads=8]
 //       [--prefill=N] [--warm] [--vs=isa=avx2|kernel=v1|kernel=v2|...]
-//       [--pool_mib=N] [--prefetch=auto|nta|t0|t1] [--flush_mib=96]
+//       [--pool_mib=N] [--prefetch=auto|nta|t0|t1] [--flush_mib=N]
 // (the filters run one slice of the grid, e.g. under perf). --pool_mib
 // draws the batch's blocks from a pool of at least N MiB, as in a server
 // whose pool is far larger than one batch; by default the pool is the
@@ -40,6 +40,7 @@
 #include <vector>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -275,29 +276,11 @@ struct Options {
   int64_t pool_mib = 0;
   // Cold: each call starts with the layer's K/V out of the caches, as in a
   // served model, where the other layers' K/V pass through L3 between two
-  // calls for one layer. Warm (--warm): back-to-back calls, so that
-  // working sets up to a few times the L3 partly hit it.
+  // calls for one layer (CacheFlusher). Warm (--warm): back-to-back calls,
+  // so that working sets up to a few times the L3 partly hit it.
   bool cold = true;
   bool ab = false;  // --vs: time `vs` against `params` call by call
   AttentionParams vs;
-};
-
-// Reads `bytes` (by default 96 MiB: 3x the L3 of the Zen 5 EPYC this was
-// first measured on) through the calling thread, evicting the kernel's
-// data. --flush_mib sets it; see docs/attention.md for how much the Intel
-// Xeon's larger shared L3 keeps.
-class CacheFlusher {
- public:
-  explicit CacheFlusher(size_t bytes) : a_(bytes / 8, 1) {}
-  void Flush() {
-    uint64_t s = 0;
-    for (size_t i = 0; i < a_.size(); i += 8) s += a_[i];  // a line each
-    sink_ += s;
-  }
-
- private:
-  std::vector<uint64_t> a_;
-  std::atomic<uint64_t> sink_{0};
 };
 
 // Bytes of one interleaved read pass: large against the caches, and about
@@ -312,6 +295,67 @@ struct Setup {
   AttentionRows rows;
   Tensor q;
   double work;
+};
+
+#if defined(__x86_64__)
+__attribute__((target("clflushopt"))) void FlushLines(const char* p,
+                                                      size_t bytes) {
+  for (size_t i = 0; i < bytes; i += 64) _mm_clflushopt(p + i);
+}
+bool HasClflushopt() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) != 0 &&
+         (ebx & (1u << 23)) != 0;
+}
+#endif
+
+// Sends a case's K/V out of the caches before a call. By default every
+// line of its blocks, with CLFLUSHOPT, out of every level (64 MiB in about
+// 2 ms on an Intel Xeon with AMX), then a read of 32 MiB on 4 KB pages,
+// which empties L1 and L2 and, at 4x the pages its STLB holds, the TLB:
+// what stays warm is what a server's calls for other layers keep warm too
+// (the page-table lines of a pool they walk, the thread pool). With
+// read_mib > 0 (--flush_mib), or on a CPU without CLFLUSHOPT (then 96
+// MiB), a read of that much alone, which leaves the case's data wherever a
+// larger cache keeps it: on that Xeon, whose shared L3 is reported as 480
+// MiB, batch 1 at context 1024 (4 MiB) ran at 82-85% of read after a 96
+// MiB read, 74-80% after the line flush, 65-66% after a 512 MiB read
+// (docs/attention.md, session 8).
+class CacheFlusher {
+ public:
+  explicit CacheFlusher(size_t read_mib) {
+#if defined(__x86_64__)
+    lines_ = read_mib == 0 && HasClflushopt();
+#endif
+    if (read_mib == 0) read_mib = lines_ ? 32 : 96;
+    a_.assign(read_mib << 17, 1);
+  }
+  bool lines() const { return lines_; }
+  size_t read_mib() const { return a_.size() >> 17; }
+
+  void Flush(const KvCache& cache, const AttentionRows& rows) {
+#if defined(__x86_64__)
+    if (lines_) {
+      const int64_t n = cache.config().num_blocks;
+      for (const Tensor* t : {&cache.key(0), &cache.value(0)}) {
+        const size_t block = t->nbytes() / static_cast<size_t>(n);
+        const char* base = static_cast<const char*>(t->raw_data());
+        for (int64_t b : rows.block_tables) {
+          FlushLines(base + static_cast<size_t>(b) * block, block);
+        }
+      }
+      _mm_sfence();
+    }
+#endif
+    uint64_t s = 0;
+    for (size_t i = 0; i < a_.size(); i += 8) s += a_[i];  // a line each
+    sink_ += s;
+  }
+
+ private:
+  bool lines_ = false;
+  std::vector<uint64_t> a_;  // on 4 KB pages: std::vector's are, here
+  std::atomic<uint64_t> sink_{0};
 };
 
 Setup MakeSetup(DType dtype, int64_t ctx, int64_t batch, const Options& o) {
@@ -382,7 +426,7 @@ Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
     }
     const double round_start = Now();
     do {
-      if (o.cold) flusher->Flush();
+      if (o.cold) flusher->Flush(*cache, rows);
       const double t = Now();
       (void)PagedAttention(*cache, 0, q, rows, p, &pool, &out);
       const double dt = Now() - t;
@@ -411,7 +455,7 @@ AbResult MeasureAb(DType dtype, int64_t ctx, int64_t batch, int threads,
   (void)PagedAttention(*st.cache, 0, st.q, st.rows, o.params, &pool, &out);
   (void)PagedAttention(*st.cache, 0, st.q, st.rows, o.vs, &pool, &out);
   auto call = [&](const AttentionParams& p) {
-    if (o.cold) flusher->Flush();
+    if (o.cold) flusher->Flush(*st.cache, st.rows);
     const double t = Now();
     (void)PagedAttention(*st.cache, 0, st.q, st.rows, p, &pool, &out);
     return Now() - t;
@@ -443,7 +487,7 @@ int main(int argc, char** argv) {
   bool full = false, baseline = true;
   kvstep::Options o;
   std::string only_dtype, vs_flag;
-  int64_t only_ctx = 0, only_batch = 0, only_threads = 0, flush_mib = 96;
+  int64_t only_ctx = 0, only_batch = 0, only_threads = 0, flush_mib = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&](const char* flag) -> const char* {
@@ -528,7 +572,7 @@ int main(int argc, char** argv) {
     }
   }
   kvstep::Bandwidth bw(baseline ? size_t{1} << 30 : 64 << 20);
-  kvstep::CacheFlusher flusher(static_cast<size_t>(flush_mib) << 20);
+  kvstep::CacheFlusher flusher(static_cast<size_t>(flush_mib));
   if (baseline) {
     const double read1 = bw.Read(1, size_t{1} << 30, 5);
     const double read2 = bw.Read(2, size_t{1} << 30, 5);
@@ -545,9 +589,14 @@ int main(int argc, char** argv) {
       o.layout == kvstep::CacheLayout::kVllm ? "vllm" : "nhd",
       kvstep::KernelName(o.params.kernel), kvstep::IsaName(o.params.isa),
       kvstep::PrefetchName(o.params.prefetch), static_cast<long>(o.kv_heads));
-  if (o.cold) {
+  if (o.cold && flusher.lines()) {
+    std::printf(
+        "cold caches (before each call, untimed: the case's K/V lines "
+        "flushed, then %ld MiB read)\n",
+        static_cast<long>(flusher.read_mib()));
+  } else if (o.cold) {
     std::printf("cold caches (%ld MiB read before each call, untimed)\n",
-                static_cast<long>(flush_mib));
+                static_cast<long>(flusher.read_mib()));
   } else {
     std::printf("warm caches (back-to-back calls)\n");
   }
