@@ -61,8 +61,10 @@ struct AttentionParams {
   // Rapids class) kNta took 1.6-1.9x the time of kT0, and prefetcht1 (kT1)
   // 2-3% less than kT0 (docs/attention.md, session 8). kAuto: kNta on AMD
   // (and Hygon) CPUs, kT1 elsewhere. The others force one, for benchmarks
-  // (attention_bench --vs=prefetch=...). The hint changes timing only,
-  // never a result.
+  // (attention_bench --vs=prefetch=...). The 8-wide passes (the AVX2
+  // build; MHA and fp8 caches in the AVX-512 one) take prefetcht1 for kT1
+  // and prefetcht0 otherwise. The hint changes timing only, never a
+  // result.
   enum class Prefetch { kAuto, kNta, kT0, kT1 };
   Prefetch prefetch = Prefetch::kAuto;
 };
