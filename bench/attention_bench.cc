@@ -244,14 +244,8 @@ bool ParseParamFlag(const std::string& a, AttentionParams* p) {
     p->kernel = Kernel::kPartitioned;
   } else if (a == "--kernel=auto") {
     p->kernel = Kernel::kAuto;
-  } else if (a == "--prefetch=nta") {
-    p->prefetch = AttentionParams::Prefetch::kNta;
-  } else if (a == "--prefetch=t0") {
-    p->prefetch = AttentionParams::Prefetch::kT0;
-  } else if (a == "--prefetch=t1") {
-    p->prefetch = AttentionParams::Prefetch::kT1;
-  } else if (a == "--prefetch=auto") {
-    p->prefetch = AttentionParams::Prefetch::kAuto;
+  } else if (a.rfind("--prefetch=", 0) == 0 &&
+             ParsePrefetch(a.substr(11), &p->prefetch)) {
   } else {
     return false;
   }

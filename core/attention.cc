@@ -8,6 +8,7 @@
 #include <limits>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -557,6 +558,19 @@ const char* PrefetchName(AttentionParams::Prefetch prefetch) {
     default:
       return "auto";
   }
+}
+
+bool ParsePrefetch(absl::string_view name, AttentionParams::Prefetch* out) {
+  using P = AttentionParams::Prefetch;
+  static constexpr std::pair<absl::string_view, P> kNames[] = {
+      {"auto", P::kAuto}, {"nta", P::kNta}, {"t0", P::kT0}, {"t1", P::kT1}};
+  for (const auto& [n, p] : kNames) {
+    if (name == n) {
+      *out = p;
+      return true;
+    }
+  }
+  return false;
 }
 
 namespace internal {

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "core/kv_cache.h"
 #include "core/tensor.h"
@@ -77,6 +78,8 @@ AttentionParams::Isa BestIsa();
 // What kAuto prefetches with on this CPU (never kAuto), and a hint's name.
 AttentionParams::Prefetch BestPrefetch();
 const char* PrefetchName(AttentionParams::Prefetch prefetch);
+// "auto", "nta", "t0" or "t1" into *out (flags); false for anything else.
+bool ParsePrefetch(absl::string_view name, AttentionParams::Prefetch* out);
 
 struct AttentionRows {
   std::vector<int64_t> query_start;   // [n + 1], from 0 to num_tokens

@@ -118,6 +118,10 @@ Engine::Engine(const EngineOptions& options, std::unique_ptr<KvCache> cache,
               ? options.attention_threads
               : std::max(
                     1, static_cast<int>(std::thread::hardware_concurrency())))),
+      attention_prefetch_(options.attention_prefetch ==
+                                  AttentionParams::Prefetch::kAuto
+                              ? BestPrefetch()
+                              : options.attention_prefetch),
       clock_(options.clock),
       default_session_ttl_(options.default_session_ttl),
       max_session_ttl_(options.max_session_ttl),
@@ -144,6 +148,8 @@ EngineInfo Engine::Info() const {
   info.num_batches = static_cast<int64_t>(batches_.size());
   info.num_sessions = static_cast<int64_t>(sessions_.size());
   info.sessions_expired = sessions_expired_;
+  info.attention_kernel =
+      absl::StrCat(IsaName(BestIsa()), ", ", PrefetchName(attention_prefetch_));
   info.stats = StatsLocked();
   return info;
 }
@@ -847,9 +853,11 @@ absl::StatusOr<Tensor> Engine::AttendLocked(const AttentionRequest& req,
       !s.ok()) {
     return s;
   }
+  AttentionParams params = req.params;
+  params.prefetch = attention_prefetch_;
   Tensor out;
-  if (absl::Status s = kvstep::PagedAttention(
-          *cache_, req.layer, req.query, rows, req.params, pool_.get(), &out);
+  if (absl::Status s = kvstep::PagedAttention(*cache_, req.layer, req.query,
+                                              rows, params, pool_.get(), &out);
       !s.ok()) {
     return s;
   }

@@ -72,6 +72,11 @@ struct EngineOptions {
   size_t event_log_capacity = 65536;
   // Threads for attention, the calling thread included (0: one per core).
   int attention_threads = 0;
+  // The attention kernel's prefetch hint for every PagedAttention call
+  // (AttentionParams::prefetch; kAuto chooses by CPU vendor). A setting of
+  // the machine, not of a request: the protocol does not carry it.
+  AttentionParams::Prefetch attention_prefetch =
+      AttentionParams::Prefetch::kAuto;
   // Sessions opened without a TTL get this one; longer ones are refused.
   absl::Duration default_session_ttl = absl::Seconds(30);
   absl::Duration max_session_ttl = absl::Hours(24);
@@ -137,6 +142,8 @@ struct EngineInfo {
   int64_t num_sessions = 0;
   int64_t sessions_expired = 0;  // since start
   BlockStats stats;
+  // PagedAttention's instruction set and prefetch hint, resolved.
+  std::string attention_kernel;
 };
 
 struct SequenceBlocks {
@@ -369,6 +376,7 @@ class Engine {
   const std::unique_ptr<KvCache> cache_;
   const std::unique_ptr<KvCache> host_cache_;  // null without a host tier
   const std::unique_ptr<ThreadPool> pool_;
+  const AttentionParams::Prefetch attention_prefetch_;  // never kAuto
   const std::function<absl::Time()> clock_;
   const absl::Duration default_session_ttl_;
   const absl::Duration max_session_ttl_;

@@ -201,6 +201,7 @@ void InfoToProto(const EngineInfo& info, int64_t max_message_bytes,
   l->set_max_sessions(info.limits.max_sessions);
   p->set_num_sessions(info.num_sessions);
   p->set_sessions_expired(info.sessions_expired);
+  p->set_attention_kernel(info.attention_kernel);
   p->set_free_blocks(info.free_blocks);
   p->set_num_sequences(info.num_sequences);
   p->set_num_batches(info.num_batches);

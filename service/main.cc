@@ -45,6 +45,9 @@ ABSL_FLAG(int64_t, num_host_blocks, 0,
           "blocks of the host tier for SwapOut/SwapIn (0: none)");
 ABSL_FLAG(int32_t, attention_threads, 0,
           "threads for PagedAttention, this one included (0: one per core)");
+ABSL_FLAG(std::string, attention_prefetch, "auto",
+          "PagedAttention's K/V prefetch hint: auto (prefetchnta on AMD, "
+          "prefetcht1 elsewhere), nta, t0 or t1; see docs/attention.md");
 ABSL_FLAG(double, watermark, 0.01,
           "CanAllocate answers LATER below this fraction of free blocks");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(5),
@@ -146,6 +149,12 @@ int main(int argc, char** argv) {
   opt.engine.num_host_blocks = absl::GetFlag(FLAGS_num_host_blocks);
   opt.engine.watermark = absl::GetFlag(FLAGS_watermark);
   opt.engine.attention_threads = absl::GetFlag(FLAGS_attention_threads);
+  if (!kvstep::ParsePrefetch(absl::GetFlag(FLAGS_attention_prefetch),
+                             &opt.engine.attention_prefetch)) {
+    return Fail(absl::StrCat("--attention_prefetch: unknown hint '",
+                             absl::GetFlag(FLAGS_attention_prefetch),
+                             "' (auto, nta, t0 or t1)"));
+  }
   opt.engine.default_session_ttl = absl::GetFlag(FLAGS_session_ttl);
   opt.engine.max_session_ttl = absl::GetFlag(FLAGS_max_session_ttl);
   l.max_sessions = absl::GetFlag(FLAGS_max_sessions);

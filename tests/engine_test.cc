@@ -7,6 +7,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/test_util.h"
@@ -511,6 +512,69 @@ TEST(EngineOptions, BadGeometryIsRefused) {
   o.limits.max_cache_bytes = 1 << 20;
   EXPECT_EQ(Engine::Create(o).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// --attention_prefetch: each hint is reported as the one the server runs
+// (kAuto as what it resolves to here), and all give the same bytes, since
+// a hint changes timing only. A bf16 prefill of 40 tokens, GQA 4 over 2 KV
+// heads, head 128: the AVX-512 passes that take the hint, where the CPU
+// has them.
+TEST(EngineOptions, AttentionPrefetchIsReportedAndChangesNoResult) {
+  const int64_t T = 40, H = 8, KV = 2, D = 128;
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int> bits(0x3c00, 0x3f7f);  // bf16 0.0078..1
+  auto random_bf16 = [&](Shape shape) {
+    Tensor t = *Tensor::Zeros(CpuDevice(), DType::kBFloat16, shape);
+    uint16_t* p = t.data<uint16_t>();
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      p[i] = static_cast<uint16_t>(bits(rng) | (i % 3 == 0 ? 0x8000 : 0));
+    }
+    return t;
+  };
+  AttentionRequest req;
+  req.query = random_bf16({T, H, D});
+  req.key = random_bf16({T, KV, D});
+  req.value = random_bf16({T, KV, D});
+  AttentionRows rows;
+  rows.query_start = {0, T};
+  rows.seq_lens = {T};
+  rows.block_tables = {5, 2, 7};
+  rows.width = 3;
+  rows.num_real = 1;
+  std::vector<int64_t> slots;
+  for (int64_t i = 0; i < T; ++i) {
+    slots.push_back(rows.block_tables[i / 16] * 16 + i % 16);
+  }
+  std::vector<uint8_t> first;
+  for (auto hint :
+       {AttentionParams::Prefetch::kAuto, AttentionParams::Prefetch::kNta,
+        AttentionParams::Prefetch::kT0, AttentionParams::Prefetch::kT1}) {
+    EngineOptions o;
+    o.cache.num_blocks = 8;
+    o.cache.block_size = 16;
+    o.cache.num_layers = 1;
+    o.cache.num_kv_heads = KV;
+    o.cache.head_size = D;
+    o.cache.dtype = DType::kBFloat16;
+    o.attention_threads = 1;
+    o.attention_prefetch = hint;
+    absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(o);
+    ASSERT_TRUE(e.ok()) << e.status();
+    const auto resolved =
+        hint == AttentionParams::Prefetch::kAuto ? BestPrefetch() : hint;
+    EXPECT_THAT((*e)->Info().attention_kernel,
+                HasSubstr(absl::StrCat(IsaName(BestIsa()), ", ",
+                                       PrefetchName(resolved))));
+    absl::StatusOr<Tensor> out = (*e)->PagedAttentionExplicit(req, rows, slots);
+    ASSERT_TRUE(out.ok()) << out.status();
+    const auto* b = static_cast<const uint8_t*>(out->raw_data());
+    std::vector<uint8_t> bytes(b, b + out->nbytes());
+    if (first.empty()) {
+      first = bytes;
+    } else {
+      EXPECT_EQ(bytes, first) << PrefetchName(hint);
+    }
+  }
 }
 
 // Random operations through the whole engine, auditing the invariants
