@@ -15,12 +15,14 @@
 //       [--kernel=v1|v2] [--isa=avx512|avx2|portable] [--kv_heads=8]
 //       [--prefill=N] [--warm] [--vs=isa=avx2|kernel=v1|kernel=v2|...]
 //       [--pool_mib=N] [--prefetch=auto|nta|t0|t1] [--flush_mib=N]
+//       [--bf16_keys=auto|dot|widen]
 // (the filters run one slice of the grid, e.g. under perf). --pool_mib
 // draws the batch's blocks from a pool of at least N MiB, as in a server
 // whose pool is far larger than one batch; by default the pool is the
 // batch's blocks, so small batches read from a small region.
 //
-// --vs=FLAG (any of --isa=, --kernel=, --prefetch=) times a second
+// --vs=FLAG (any of --isa=, --kernel=, --prefetch=, --bf16_keys=) times a
+// second
 // configuration call by call against the first, in the same process and on the
 // same cache: A, B, A, B, ... each after its own cache flush. It prints both
 // best times and the median over pairs of B's time / A's, which resolves
@@ -227,8 +229,18 @@ const char* KernelName(AttentionParams::Kernel k) {
   return "auto";
 }
 
-// --isa=..., --kernel=... and --prefetch=... into *p; false for any other
-// flag.
+// A configuration in words, for the table headers.
+std::string Describe(const AttentionParams& p) {
+  return std::string("kernel ") + KernelName(p.kernel) + ", " + IsaName(p.isa) +
+         " instruction set, " + PrefetchName(p.prefetch) +
+         " prefetch, bf16 keys " +
+         (p.bf16_keys == AttentionParams::Bf16Keys::kDot     ? "by VDPBF16PS"
+          : p.bf16_keys == AttentionParams::Bf16Keys::kWiden ? "widened"
+                                                             : "auto");
+}
+
+// --isa=..., --kernel=..., --prefetch=... and --bf16_keys=... into *p;
+// false for any other flag.
 bool ParseParamFlag(const std::string& a, AttentionParams* p) {
   using Isa = AttentionParams::Isa;
   using Kernel = AttentionParams::Kernel;
@@ -246,6 +258,12 @@ bool ParseParamFlag(const std::string& a, AttentionParams* p) {
     p->kernel = Kernel::kAuto;
   } else if (a.rfind("--prefetch=", 0) == 0 &&
              ParsePrefetch(a.substr(11), &p->prefetch)) {
+  } else if (a == "--bf16_keys=dot") {
+    p->bf16_keys = AttentionParams::Bf16Keys::kDot;
+  } else if (a == "--bf16_keys=widen") {
+    p->bf16_keys = AttentionParams::Bf16Keys::kWiden;
+  } else if (a == "--bf16_keys=auto") {
+    p->bf16_keys = AttentionParams::Bf16Keys::kAuto;
   } else {
     return false;
   }
@@ -546,7 +564,8 @@ int main(int argc, char** argv) {
     o.vs = o.params;
     if (!kvstep::ParseParamFlag(vs_flag, &o.vs)) {
       std::fprintf(stderr,
-                   "--vs takes isa=..., kernel=... or prefetch=..., not %s\n",
+                   "--vs takes isa=..., kernel=..., prefetch=... or "
+                   "bf16_keys=..., not %s\n",
                    vs_flag.c_str() + 2);
       return 2;
     }
@@ -564,6 +583,9 @@ int main(int argc, char** argv) {
     if (p->prefetch == kvstep::AttentionParams::Prefetch::kAuto) {
       p->prefetch = kvstep::BestPrefetch();
     }
+    if (p->bf16_keys == kvstep::AttentionParams::Bf16Keys::kAuto) {
+      p->bf16_keys = kvstep::BestBf16Keys();
+    }
   }
   kvstep::Bandwidth bw(baseline ? size_t{1} << 30 : 64 << 20);
   kvstep::CacheFlusher flusher(static_cast<size_t>(flush_mib));
@@ -578,11 +600,10 @@ int main(int argc, char** argv) {
         read1, read2, bw.Copy());
   }
   std::printf(
-      "layout %s, kernel %s, %s instruction set, %s prefetch; 32 query heads "
-      "over %ld KV heads, head 128, block 16, random block tables; ",
+      "layout %s, %s; 32 query heads over %ld KV heads, head 128, block 16, "
+      "random block tables; ",
       o.layout == kvstep::CacheLayout::kVllm ? "vllm" : "nhd",
-      kvstep::KernelName(o.params.kernel), kvstep::IsaName(o.params.isa),
-      kvstep::PrefetchName(o.params.prefetch), static_cast<long>(o.kv_heads));
+      kvstep::Describe(o.params).c_str(), static_cast<long>(o.kv_heads));
   if (o.cold && flusher.lines()) {
     std::printf(
         "cold caches (before each call, untimed: the case's K/V lines "
@@ -604,11 +625,9 @@ int main(int argc, char** argv) {
   }
   if (o.ab) {
     std::printf(
-        "A/B: A = %s %s %s prefetch, B = %s %s %s prefetch, called "
-        "alternately; \"B/A\" is the median over pairs of B's time / A's\n",
-        kvstep::IsaName(o.params.isa), kvstep::KernelName(o.params.kernel),
-        kvstep::PrefetchName(o.params.prefetch), kvstep::IsaName(o.vs.isa),
-        kvstep::KernelName(o.vs.kernel), kvstep::PrefetchName(o.vs.prefetch));
+        "A/B: A = %s; B = %s; called alternately; \"B/A\" is the median over "
+        "pairs of B's time / A's\n",
+        kvstep::Describe(o.params).c_str(), kvstep::Describe(o.vs).c_str());
     std::printf("%-9s %7s %6s %8s %10s %10s %7s %6s\n", "dtype", "context",
                 "batch", "threads", "A best us", "B best us", "B/A", "pairs");
   } else {

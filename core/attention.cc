@@ -173,10 +173,10 @@ struct Scratch {
 // SplitHalvesZ), for tests: internal::HalfSplitFallbacks.
 std::atomic<int64_t> half_split_fallbacks{0};
 
-// Whether this CPU's vendor is one whose cores were measured faster with
-// non-temporal prefetches of K/V (see AttentionParams::prefetch): AMD's,
-// and Hygon's, whose cores are AMD's Zen.
-bool NtaVendor() {
+// Whether this CPU's vendor is AMD (or Hygon, whose cores are AMD's Zen):
+// the kernel's choices that were measured to differ by CPU (prefetch hint,
+// bf16 dot products; see AttentionParams) take the Zen 5 ones there.
+bool AmdVendor() {
 #if defined(__x86_64__) || defined(__i386__)
   static const bool amd = [] {
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
@@ -197,8 +197,15 @@ bool NtaVendor() {
 // How a call prefetches K/V: kAuto resolved for this CPU.
 AttentionParams::Prefetch ResolvePrefetch(AttentionParams::Prefetch p) {
   if (p != AttentionParams::Prefetch::kAuto) return p;
-  return NtaVendor() ? AttentionParams::Prefetch::kNta
+  return AmdVendor() ? AttentionParams::Prefetch::kNta
                      : AttentionParams::Prefetch::kT1;
+}
+
+// How a call multiplies bf16 keys by a bf16 query: kAuto resolved.
+AttentionParams::Bf16Keys ResolveBf16Keys(AttentionParams::Bf16Keys k) {
+  if (k != AttentionParams::Bf16Keys::kAuto) return k;
+  return AmdVendor() ? AttentionParams::Bf16Keys::kDot
+                     : AttentionParams::Bf16Keys::kWiden;
 }
 
 // The kernel, once per instruction set (see core/attention_kernel.inc):
@@ -558,6 +565,10 @@ const char* PrefetchName(AttentionParams::Prefetch prefetch) {
     default:
       return "auto";
   }
+}
+
+AttentionParams::Bf16Keys BestBf16Keys() {
+  return ResolveBf16Keys(AttentionParams::Bf16Keys::kAuto);
 }
 
 bool ParsePrefetch(absl::string_view name, AttentionParams::Prefetch* out) {

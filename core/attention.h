@@ -68,6 +68,17 @@ struct AttentionParams {
   // result.
   enum class Prefetch { kAuto, kNta, kT0, kT1 };
   Prefetch prefetch = Prefetch::kAuto;
+  // How the AVX-512 K pass multiplies bf16 keys by a bf16 query. kDot:
+  // VDPBF16PS on the unscaled query (exact products, fp32 sums, the scale
+  // applied to the sums); on Zen 5 9% less time per call than kWiden.
+  // kWiden: the keys split into even and odd dims as exact floats (a shift
+  // and a mask) against the scaled fp32 query, two FMAs per vector; on the
+  // Intel Xeon, whose cores issue a zmm VDPBF16PS every 2 cycles against 2
+  // FMAs a cycle, 13-14% less time warm and 2-4% cold (docs/attention.md,
+  // session 8). kAuto: kDot on AMD (and Hygon) CPUs, kWiden elsewhere.
+  // Other queries and caches are unaffected.
+  enum class Bf16Keys { kAuto, kDot, kWiden };
+  Bf16Keys bf16_keys = Bf16Keys::kAuto;
 };
 
 // Whether this CPU runs `isa` (kBest and kPortable: always), its name, and
@@ -80,6 +91,8 @@ AttentionParams::Prefetch BestPrefetch();
 const char* PrefetchName(AttentionParams::Prefetch prefetch);
 // "auto", "nta", "t0" or "t1" into *out (flags); false for anything else.
 bool ParsePrefetch(absl::string_view name, AttentionParams::Prefetch* out);
+// What kAuto multiplies bf16 keys with on this CPU (never kAuto).
+AttentionParams::Bf16Keys BestBf16Keys();
 
 struct AttentionRows {
   std::vector<int64_t> query_start;   // [n + 1], from 0 to num_tokens

@@ -195,6 +195,7 @@ struct Case {
   int64_t context = 37;  // row 0's decode context
   uint64_t seed = 1;
   AttentionParams::Prefetch prefetch = AttentionParams::Prefetch::kAuto;
+  AttentionParams::Bf16Keys bf16_keys = AttentionParams::Bf16Keys::kAuto;
 };
 
 Case Make(CacheLayout layout, DType cache, DType act, int64_t heads,
@@ -218,7 +219,8 @@ void Check(const Case& k) {
                << DTypeName(k.cache) << " act " << DTypeName(k.act)
                << " layout " << CacheLayoutName(k.layout) << " alibi "
                << k.alibi << " window " << k.window << " prefetch "
-               << PrefetchName(k.prefetch));
+               << PrefetchName(k.prefetch) << " bf16 keys "
+               << static_cast<int>(k.bf16_keys));
   std::mt19937_64 rng(k.seed);
   std::uniform_real_distribution<float> uni(-1, 1);
   // Rows: decode, prefill chunk of 5 after a cached context, decode at a
@@ -297,6 +299,7 @@ void Check(const Case& k) {
   p.v_scale = vscale;
   p.sliding_window = k.window;
   p.prefetch = k.prefetch;
+  p.bf16_keys = k.bf16_keys;
   if (k.alibi) {
     for (int64_t h = 0; h < H; ++h)
       p.alibi_slopes.push_back(std::pow(2.0f, -(h + 1)));
@@ -434,6 +437,28 @@ TEST(PagedAttention, EveryPrefetchHint) {
       k.head_size = 128;
       k.context = 100;  // several sweeps and prefetches ahead
       k.prefetch = hint;
+      Check(k);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+// Both ways of the AVX-512 K pass with bf16 keys and a bf16 query
+// (VDPBF16PS, or widened keys against the fp32 query; the other builds run
+// the same cases) against the reference, at block sizes whose key tiles are
+// 16 tokens (16) and 8 (8), with a partial last block; and kAuto resolves
+// to one of them.
+TEST(PagedAttention, Bf16KeysByDotProductsAndWidened) {
+  EXPECT_NE(BestBf16Keys(), AttentionParams::Bf16Keys::kAuto);
+  for (auto keys :
+       {AttentionParams::Bf16Keys::kDot, AttentionParams::Bf16Keys::kWiden}) {
+    for (int64_t bs : {8, 16}) {
+      Case k =
+          Make(CacheLayout::kVllm, DType::kBFloat16, DType::kBFloat16, 8, 2);
+      k.head_size = 128;
+      k.block_size = bs;
+      k.context = 70;
+      k.bf16_keys = keys;
       Check(k);
       if (HasFatalFailure()) return;
     }
