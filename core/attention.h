@@ -59,13 +59,15 @@ struct AttentionParams {
   // call reads once. Which is faster depends on the CPU, by far: on Zen 5
   // prefetchnta (kNta) took 3-10% less time than prefetcht0 (kT0) and
   // 15-34% less than prefetcht1/t2; on an Intel Xeon with AMX (Granite
-  // Rapids class) kNta took 1.6-1.9x the time of kT0, and prefetcht1 (kT1)
-  // 2-3% less than kT0 (docs/attention.md, session 8). kAuto: kNta on AMD
-  // (and Hygon) CPUs, kT1 elsewhere. The others force one, for benchmarks
-  // (attention_bench --vs=prefetch=...). The 8-wide passes (the AVX2
-  // build; MHA and fp8 caches in the AVX-512 one) take prefetcht1 for kT1
-  // and prefetcht0 otherwise. The hint changes timing only, never a
-  // result.
+  // Rapids class) kNta took 1.5-2.1x the time of prefetcht1 (kT1), and kT0
+  // 1-9% more than kT1 (docs/attention.md, session 8). With kT0 and kT1
+  // the passes also start the core's L2 streamer on the blocks 4 ahead
+  // (2-10% less time there). kAuto: kNta on AMD (and Hygon) CPUs, kT1
+  // elsewhere. The others force one, for benchmarks (attention_bench
+  // --vs=prefetch=...) and for kvstep-server --attention_prefetch. The
+  // 8-wide passes (the AVX2 build; MHA and fp8 caches in the AVX-512 one)
+  // take prefetcht1 for kT1 and prefetcht0 otherwise. The hint changes
+  // timing only, never a result.
   enum class Prefetch { kAuto, kNta, kT0, kT1 };
   Prefetch prefetch = Prefetch::kAuto;
   // How the AVX-512 K pass multiplies bf16 keys by a bf16 query. kDot:
@@ -74,7 +76,7 @@ struct AttentionParams {
   // kWiden: the keys split into even and odd dims as exact floats (a shift
   // and a mask) against the scaled fp32 query, two FMAs per vector; on the
   // Intel Xeon, whose cores issue a zmm VDPBF16PS every 2 cycles against 2
-  // FMAs a cycle, 13-14% less time warm and 2-4% cold (docs/attention.md,
+  // FMAs a cycle, 13-14% less time warm and 2-5% cold (docs/attention.md,
   // session 8). kAuto: kDot on AMD (and Hygon) CPUs, kWiden elsewhere.
   // Other queries and caches are unaffected.
   enum class Bf16Keys { kAuto, kDot, kWiden };
