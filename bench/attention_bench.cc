@@ -331,8 +331,8 @@ bool HasClflushopt() {
 // MiB), a read of that much alone, which leaves the case's data wherever a
 // larger cache keeps it: on that Xeon, whose shared L3 is reported as 480
 // MiB, batch 1 at context 1024 (4 MiB) ran at 82-85% of read after a 96
-// MiB read, 74-80% after the line flush, 65-66% after a 512 MiB read
-// (docs/attention.md, session 8).
+// MiB read, 79-80% after the line flush alone, 74-75% with the 32 MiB read
+// after it, 65-66% after a 512 MiB read (docs/attention.md, session 8).
 class CacheFlusher {
  public:
   explicit CacheFlusher(size_t read_mib) {
