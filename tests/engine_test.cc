@@ -46,7 +46,7 @@ BatchRowSpec Row(SeqId id, int64_t num_tokens, int64_t cached,
   return r;
 }
 
-AdvanceInput Sampled(std::vector<int64_t> tokens) {
+AdvanceInput Sampled(const std::vector<int64_t>& tokens) {
   AdvanceInput in;
   const int64_t n = static_cast<int64_t>(tokens.size());
   in.sampled_token_ids = I64({n, 1}, tokens);
@@ -523,7 +523,7 @@ TEST(EngineOptions, AttentionPrefetchIsReportedAndChangesNoResult) {
   const int64_t T = 40, H = 8, KV = 2, D = 128;
   std::mt19937 rng(7);
   std::uniform_int_distribution<int> bits(0x3c00, 0x3f7f);  // bf16 0.0078..1
-  auto random_bf16 = [&](Shape shape) {
+  auto random_bf16 = [&](const Shape& shape) {
     Tensor t = *Tensor::Zeros(CpuDevice(), DType::kBFloat16, shape);
     uint16_t* p = t.data<uint16_t>();
     for (int64_t i = 0; i < t.numel(); ++i) {
@@ -647,6 +647,7 @@ TEST(EngineConcurrency, ManyThreadsKeepTheInvariants) {
   std::atomic<bool> stop{false};
   std::atomic<int> steps{0};
   std::vector<std::thread> threads;
+  threads.reserve(kThreads);
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
       std::mt19937_64 rng(t);
