@@ -22,12 +22,11 @@
 // batch's blocks, so small batches read from a small region.
 //
 // --vs=FLAG (any of --isa=, --kernel=, --prefetch=, --bf16_keys=) times a
-// second
-// configuration call by call against the first, in the same process and on the
-// same cache: A, B, A, B, ... each after its own cache flush. It prints both
-// best times and the median over pairs of B's time / A's, which resolves
-// differences of a few percent that this shared VM's drift (5-10% from run to
-// run) hides between two separate runs.
+// second configuration call by call against the first, in the same process
+// and on the same cache: A, B, A, B, ... each after its own cache flush. It
+// prints both best times and the median over pairs of B's time / A's, which
+// resolves differences of a few percent that this shared VM's drift (5-10%
+// from run to run) hides between two separate runs.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
