@@ -471,8 +471,8 @@ TEST(PagedAttention, Bf16KeysByDotProductsAndWidened) {
 // queries take VDPBF16PS, against fp32 ones the shift-and-mask path),
 // block sizes whose key tiles are 8 tokens (8, 24) or 16 (16, 32) and
 // whose value sweeps are 16-lane (16, 32) or 8-lane (8, 24), head sizes
-// 128 and 80 (five 16-dim chunks: a partial NHD value tile), and GQA
-// groups of 4 and 3 (a tile repeating a head).
+// 128, 80 (five 16-dim chunks: a partial NHD value tile) and 64, and GQA
+// groups of 4, 3, 2 and 1 (MHA; tiles repeating heads).
 TEST(PagedAttention, WideTilesBlockSizesAndActivations) {
   // fp16 passes by pairs check the valid tokens for Inf and NaN only: the
   // NaN in unwritten slots must not send them to the converting redo.
@@ -484,8 +484,12 @@ TEST(PagedAttention, WideTilesBlockSizesAndActivations) {
                            {DType::kFloat32, DType::kFloat16}};
   for (const Dtypes& d : dtypes) {
     for (int64_t bs : {8, 16, 24, 32}) {
+      // GQA 4 and 3, and MHA and GQA 2, whose tiles repeat heads.
       for (auto [hs, heads, kv] :
-           {std::tuple<int64_t, int64_t, int64_t>{128, 8, 2}, {80, 6, 2}}) {
+           {std::tuple<int64_t, int64_t, int64_t>{128, 8, 2},
+            {80, 6, 2},
+            {128, 4, 4},
+            {64, 4, 2}}) {
         for (CacheLayout layout : {CacheLayout::kVllm, CacheLayout::kNhd}) {
           Case k = Make(layout, d.cache, d.act, heads, kv);
           k.block_size = bs;
