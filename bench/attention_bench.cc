@@ -11,7 +11,8 @@
 //
 //   build/bench/attention_bench [--full] [--seconds=0.3] [--layout=nhd]
 //       [--no_baseline]
-//       [--dtype=bfloat16] [--context=N] [--batch=N] [--threads=N]
+//       [--dtype=bfloat16|float16|float32|fp8_e4m3|fp8_e5m2]
+//       [--context=N] [--batch=N] [--threads=N]
 //       [--kernel=v1|v2] [--isa=avx512|avx2|portable] [--kv_heads=8]
 //       [--prefill=N] [--warm] [--vs=isa=avx2|kernel=v1|kernel=v2|...]
 //       [--pool_mib=N] [--prefetch=auto|nta|t0|t1] [--flush_mib=N]
@@ -397,7 +398,9 @@ Setup MakeSetup(DType dtype, int64_t ctx, int64_t batch, const Options& o) {
   const int64_t nq = o.prefill > 0 ? std::min(o.prefill, ctx) : 1;
   for (int64_t r = 0; r <= batch; ++r) rows.query_start.push_back(r * nq);
   rows.seq_lens.assign(batch, ctx);
-  st.q = *Tensor::Zeros(CpuDevice(), dtype, {batch * nq, 32, 128});
+  // fp8 caches are read with bf16 queries (and outputs).
+  const DType act = DTypeSize(dtype) == 1 ? DType::kBFloat16 : dtype;
+  st.q = *Tensor::Zeros(CpuDevice(), act, {batch * nq, 32, 128});
   std::memset(st.q.raw_data(), 0x11, st.q.nbytes());
   st.work = 2.0 * batch * ctx * c.num_kv_heads * c.head_size *
             static_cast<double>(DTypeSize(dtype));
@@ -640,8 +643,14 @@ int main(int argc, char** argv) {
            : std::vector<int64_t>{128, 1024, 4096};
   const std::vector<int64_t> batches =
       full ? std::vector<int64_t>{1, 16, 64, 256} : std::vector<int64_t>{1, 16};
-  for (DType d : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
-    if (!only_dtype.empty() && only_dtype != kvstep::DTypeName(d)) continue;
+  for (DType d : {DType::kBFloat16, DType::kFloat16, DType::kFloat32,
+                  DType::kFp8E4M3, DType::kFp8E5M2}) {
+    // fp8 caches (bf16 queries) only when asked for: the goal's grid is
+    // the other three.
+    if (only_dtype.empty() ? kvstep::DTypeSize(d) == 1
+                           : only_dtype != kvstep::DTypeName(d)) {
+      continue;
+    }
     for (int64_t ctx : contexts) {
       if (only_ctx != 0) ctx = only_ctx;
       for (int64_t batch : batches) {
