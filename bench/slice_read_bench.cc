@@ -1,0 +1,315 @@
+// How fast one thread reads the paged cache's access pattern, with no
+// attention arithmetic (or with the V pass's, as a model): the ceiling the
+// kernel's "of read" is measured under. docs/attention.md (session 9) has
+// the numbers this tool gave.
+//
+//   build/bench/slice_read_bench [--pool_mib=1024] [--passes=5]
+//
+// Each line is the best of --passes cold passes over a pool from the CPU
+// device (pre-touched, huge pages), a 256 MiB read of another buffer
+// between passes, against a sequential read of the same pool in the same
+// run:
+//   seq              the pool in order (the STREAM-like baseline);
+//   slices S KB      S KB slices in random order (4 KB: one KV head's
+//                    slice of a block, bf16 or fp16, block 16, head 128);
+//   windows N        4 KB pages in random order within 2 MB windows, N
+//                    windows interleaved at a time (how much the region's
+//                    locality, not the page's, matters);
+//   rows ARITH       the bench's pattern: rows of 64 random 32 KB blocks (8
+//                    KV heads x 4 KB), each row's 64 slices of one head,
+//                    then the next head; ARITH none: sum the loads; one: the
+//                    V pass's arithmetic per 64 bytes (split into even and
+//                    odd halves, 4 heads x 2 FMAs into lanes in L1), one
+//                    block at a time; pairs: the same on two blocks side by
+//                    side, as PairSweepZ reads them.
+// All patterns prefetch as the kernel does: prefetcht1 line by line about
+// a block (4 KB) ahead, and the first 8 lines of the page 4 slices ahead.
+// Needs AVX-512F (the kernel's 16-lane passes do too).
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "core/device.h"
+
+namespace kvstep {
+namespace {
+
+#if defined(__x86_64__)
+
+constexpr size_t kPage = 4096;
+constexpr size_t kBlock = 32768;  // 8 KV heads x 4 KB
+constexpr size_t kRowBlocks = 64;
+
+double Now() {
+  return std::chrono::duration<double>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Reads pages[0..n) in order, 64 bytes a load, with the kernel's
+// prefetches; returns a checksum so that nothing is optimized away.
+__attribute__((target("avx512f"))) uint64_t ReadPages(
+    const std::vector<const char*>& pages) {
+  const size_t n = pages.size();
+  __m512i acc = _mm512_setzero_si512();
+  for (size_t s = 0; s < n; ++s) {
+    const char* b = pages[s];
+    if (s + 4 < n) {
+      for (ptrdiff_t l = 0; l < 8; ++l)
+        _mm_prefetch(pages[s + 4] + 64 * l, _MM_HINT_T1);
+    }
+    const char* next = s + 1 < n ? pages[s + 1] : b;
+    for (size_t o = 0; o < kPage; o += 64) {
+      _mm_prefetch(next + o, _MM_HINT_T1);
+      acc = _mm512_add_epi64(acc, _mm512_load_si512(b + o));
+    }
+  }
+  return static_cast<uint64_t>(_mm512_reduce_add_epi64(acc));
+}
+
+// The V pass's arithmetic on `nb` (1 or 2) 4 KB slices side by side:
+// per 64 bytes of each, an even/odd split and 4 heads x 2 FMAs into lanes
+// that stay in L1. `next` are the slices to prefetch (as many).
+template <int NB>
+__attribute__((target("avx512f"), always_inline)) inline void VSweep(
+    const char* const* cur, const char* const* next, float* lanes) {
+  const __m512 w = _mm512_set1_ps(0.5f);
+  for (ptrdiff_t u = 0; u < 64; ++u) {
+    __m512 e[NB], o[NB];
+    for (int k = 0; k < NB; ++k) {
+      _mm_prefetch(next[k] + 64 * u, _MM_HINT_T1);
+      const __m512i x = _mm512_load_si512(cur[k] + 64 * u);
+      e[k] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      o[k] = _mm512_castsi512_ps(
+          _mm512_and_si512(x, _mm512_set1_epi32(int32_t{-65536})));
+    }
+    for (int i = 0; i < 4; ++i) {
+      float* q = lanes + ptrdiff_t{1024} * i + u * 16;
+      __m512 a = _mm512_load_ps(q);
+      for (int k = 0; k < NB; ++k) {
+        a = _mm512_fmadd_ps(w, e[k], a);
+        a = _mm512_fmadd_ps(w, o[k], a);
+      }
+      _mm512_store_ps(q, a);
+    }
+  }
+}
+
+// The bench's pattern over `order` (blocks, rows of kRowBlocks): arith 0
+// sums the loads (ReadPages), 1 and 2 run VSweep on 1 or 2 blocks at a
+// time.
+__attribute__((target("avx512f"))) uint64_t ReadRows(
+    const char* pool, const std::vector<size_t>& order, int arith,
+    float* lanes) {
+  const size_t rows = order.size() / kRowBlocks;
+  uint64_t sum = 0;
+  std::vector<const char*> pages(kRowBlocks);
+  for (size_t r = 0; r < rows; ++r) {
+    const size_t* row = &order[r * kRowBlocks];
+    for (size_t h = 0; h < kBlock / kPage; ++h) {
+      for (size_t c = 0; c < kRowBlocks; ++c) {
+        pages[c] = pool + row[c] * kBlock + h * kPage;
+      }
+      if (arith == 0) {
+        sum += ReadPages(pages);
+        continue;
+      }
+      const size_t nb = static_cast<size_t>(arith);
+      for (size_t c = 0; c < kRowBlocks; c += nb) {
+        // Stream starts 4 blocks ahead, then the sweep.
+        for (size_t k = c + 4; k < std::min(kRowBlocks, c + 4 + nb); ++k) {
+          for (ptrdiff_t l = 0; l < 8; ++l) {
+            _mm_prefetch(pages[k] + 64 * l, _MM_HINT_T1);
+          }
+        }
+        const char* cur[2] = {pages[c], pages[std::min(c + 1, kRowBlocks - 1)]};
+        const char* next[2] = {pages[std::min(c + nb, kRowBlocks - 1)],
+                               pages[std::min(c + nb + 1, kRowBlocks - 1)]};
+        if (nb == 1) {
+          VSweep<1>(cur, next, lanes);
+        } else {
+          VSweep<2>(cur, next, lanes);
+        }
+      }
+    }
+  }
+  return sum + static_cast<uint64_t>(lanes[0]);
+}
+
+struct Pool {
+  std::shared_ptr<Allocation> mem;
+  char* base = nullptr;
+  size_t bytes = 0;
+};
+
+class Runner {
+ public:
+  Runner(size_t pool_bytes, int passes)
+      : passes_(passes),
+        flush_(*CpuDevice()->Allocate(size_t{256} << 20)),
+        lanes_(*CpuDevice()->Allocate(sizeof(float) * 4 * 1024)) {
+    pool_.mem = *CpuDevice()->Allocate(pool_bytes);
+    pool_.base = static_cast<char*>(pool_.mem->data());
+    pool_.bytes = pool_bytes / kBlock * kBlock;
+    std::memset(pool_.base, 1, pool_.bytes);
+  }
+
+  // Best GB/s over the passes of fn (which reads the whole pool once).
+  template <typename Fn>
+  double Best(Fn fn) {
+    double best = 0;
+    for (int p = 0; p < passes_; ++p) {
+      Flush();
+      const double t0 = Now();
+      sink_ += fn();
+      const double dt = Now() - t0;
+      best = std::max(best, static_cast<double>(pool_.bytes) / dt / 1e9);
+    }
+    return best;
+  }
+
+  std::vector<const char*> Slices(size_t slice) const {
+    std::vector<size_t> order(pool_.bytes / slice);
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), std::mt19937_64(1));
+    std::vector<const char*> pages;
+    for (size_t s : order) {
+      for (size_t o = 0; o < slice; o += kPage) {
+        pages.push_back(pool_.base + s * slice + o);
+      }
+    }
+    return pages;
+  }
+
+  // 4 KB pages random within 2 MB windows, `w` windows interleaved.
+  std::vector<const char*> Windows(size_t w) const {
+    constexpr size_t kWin = size_t{2} << 20, kPer = kWin / kPage;
+    std::mt19937_64 rng(1);
+    std::vector<size_t> wins(pool_.bytes / kWin);
+    std::iota(wins.begin(), wins.end(), 0);
+    std::shuffle(wins.begin(), wins.end(), rng);
+    std::vector<const char*> pages;
+    for (size_t g = 0; g < wins.size(); g += w) {
+      std::vector<std::vector<size_t>> in;
+      for (size_t j = g; j < std::min(wins.size(), g + w); ++j) {
+        std::vector<size_t> v(kPer);
+        std::iota(v.begin(), v.end(), wins[j] * kPer);
+        std::shuffle(v.begin(), v.end(), rng);
+        in.push_back(std::move(v));
+      }
+      for (size_t i = 0; i < kPer; ++i) {
+        for (const auto& v : in) pages.push_back(pool_.base + v[i] * kPage);
+      }
+    }
+    return pages;
+  }
+
+  std::vector<size_t> Blocks() const {
+    std::vector<size_t> order(pool_.bytes / kBlock);
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), std::mt19937_64(1));
+    order.resize(order.size() / kRowBlocks * kRowBlocks);
+    return order;
+  }
+
+  const Pool& pool() const { return pool_; }
+  float* lanes() { return static_cast<float*>(lanes_->data()); }
+
+ private:
+  __attribute__((target("avx512f"))) void Flush() {
+    const char* f = static_cast<const char*>(flush_->data());
+    __m512i acc = _mm512_setzero_si512();
+    for (size_t i = 0; i < (size_t{256} << 20); i += 64) {
+      acc = _mm512_add_epi64(acc, _mm512_load_si512(f + i));
+    }
+    sink_ += static_cast<uint64_t>(_mm512_reduce_add_epi64(acc));
+  }
+
+  int passes_;
+  std::shared_ptr<Allocation> flush_, lanes_;
+  Pool pool_;
+  volatile uint64_t sink_ = 0;  // keeps the sums alive
+};
+
+int Main(int argc, char** argv) {
+  int64_t pool_mib = 1024;
+  int passes = 5;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.rfind("--pool_mib=", 0) == 0) {
+      pool_mib = std::atoll(a.c_str() + 11);
+    } else if (a.rfind("--passes=", 0) == 0) {
+      passes = std::atoi(a.c_str() + 9);
+    } else {
+      std::fprintf(stderr, "unknown flag %s (see the top of %s)\n", a.c_str(),
+                   __FILE__);
+      return 2;
+    }
+  }
+  if (pool_mib < 64 || passes < 1) {
+    std::fprintf(stderr, "--pool_mib must be >= 64 and --passes >= 1\n");
+    return 2;
+  }
+  if (!__builtin_cpu_supports("avx512f")) {
+    std::fprintf(stderr, "this CPU has no AVX-512F\n");
+    return 2;
+  }
+  Runner run(static_cast<size_t>(pool_mib) << 20, passes);
+  std::printf("pool %ld MiB, one thread, best of %d cold passes\n",
+              static_cast<long>(pool_mib), passes);
+  std::printf("%-20s %8s %8s\n", "pattern", "GB/s", "of seq");
+  std::vector<const char*> seq;
+  for (size_t o = 0; o < run.pool().bytes; o += kPage) {
+    seq.push_back(run.pool().base + o);
+  }
+  const double base = run.Best([&] { return ReadPages(seq); });
+  auto line = [&](const std::string& name, double gbs) {
+    std::printf("%-20s %8.2f %7.0f%%\n", name.c_str(), gbs, 100 * gbs / base);
+    std::fflush(stdout);
+  };
+  line("seq", base);
+  for (size_t kb : {4, 8, 16, 32}) {
+    const std::vector<const char*> pages = run.Slices(kb * 1024);
+    line("slices " + std::to_string(kb) + " KB",
+         run.Best([&] { return ReadPages(pages); }));
+  }
+  for (size_t w : {1, 2, 4, 16, 512}) {
+    const std::vector<const char*> pages = run.Windows(w);
+    line("windows " + std::to_string(w),
+         run.Best([&] { return ReadPages(pages); }));
+  }
+  const std::vector<size_t> blocks = run.Blocks();
+  const char* names[] = {"rows none", "rows one", "rows pairs"};
+  for (int arith = 0; arith < 3; ++arith) {
+    line(names[arith], run.Best([&] {
+      return ReadRows(run.pool().base, blocks, arith, run.lanes());
+    }));
+  }
+  return 0;
+}
+
+#else
+
+int Main(int, char**) {
+  std::fprintf(stderr, "slice_read_bench needs an x86-64 CPU with AVX-512F\n");
+  return 2;
+}
+
+#endif
+
+}  // namespace
+}  // namespace kvstep
+
+int main(int argc, char** argv) { return kvstep::Main(argc, argv); }
