@@ -168,9 +168,10 @@ struct Scratch {
   std::vector<float> m, s, acc;  // a chunk's results (Partial's outputs)
 };
 
-// Passes over fp16 keys or values that met an Inf or NaN (or a query of
-// 2^16 or more) and were redone by conversion (attention_kernel.inc,
-// SplitHalvesZ), for tests: internal::HalfSplitFallbacks.
+// Passes over fp16 or fp8 keys or values that met an Inf or NaN (or a
+// query too large for their scaling) and were redone by conversion
+// (attention_kernel.inc: SplitHalvesZ, LogitsFp8Z, ValuesFp8Z), for tests:
+// internal::HalfSplitFallbacks.
 std::atomic<int64_t> half_split_fallbacks{0};
 
 // Whether this CPU's vendor is AMD (or Hygon, whose cores are AMD's Zen):

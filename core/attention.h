@@ -136,8 +136,9 @@ void ConvertCacheElements(DType dtype, const void* src, int64_t n, float scale,
 // order and undone (times 2^112): false if its Inf/NaN check fired. Only
 // where IsaSupported(kAvx512).
 bool SplitHalvesForTest(const uint16_t* src, int64_t n, float* out);
-// How many fp16 K or V passes were redone by conversion since the process
-// started (an Inf or NaN in the cache, or a query of 2^16 or more).
+// How many fp16 or fp8 K or V passes of the AVX-512 build were redone by
+// conversion since the process started (an Inf or NaN in the cache, or a
+// query too large for the passes' scaling).
 int64_t HalfSplitFallbacks();
 // How many consecutive (row, KV head) items of n a thread claims at a time
 // (kvh KV heads a row, `threads` threads); see attention.cc.

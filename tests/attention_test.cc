@@ -466,7 +466,7 @@ TEST(PagedAttention, Bf16KeysByDotProductsAndWidened) {
 }
 
 // The AVX-512 build's 16-lane tiles, both layouts (where the CPU has it;
-// the other builds run the same cases): 16-bit and fp32 caches with
+// the other builds run the same cases): 16-bit, fp32 and fp8 caches with
 // activations of the same or another dtype (bf16 keys against bf16
 // queries take VDPBF16PS, against fp32 ones the shift-and-mask path),
 // block sizes whose key tiles are 8 tokens (8, 24) or 16 (16, 32) and
@@ -474,14 +474,15 @@ TEST(PagedAttention, Bf16KeysByDotProductsAndWidened) {
 // 128, 80 (five 16-dim chunks: a partial NHD value tile) and 64, and GQA
 // groups of 4, 3, 2 and 1 (MHA; tiles repeating heads).
 TEST(PagedAttention, WideTilesBlockSizesAndActivations) {
-  // fp16 passes by pairs check the valid tokens for Inf and NaN only: the
-  // NaN in unwritten slots must not send them to the converting redo.
+  // fp16 passes by pairs and fp8 ones check the valid tokens for Inf and
+  // NaN only: the NaN in unwritten slots must not send them to the
+  // converting redo.
   const int64_t redone = internal::HalfSplitFallbacks();
-  const Dtypes dtypes[] = {{DType::kBFloat16, DType::kBFloat16},
-                           {DType::kBFloat16, DType::kFloat32},
-                           {DType::kFloat16, DType::kFloat16},
-                           {DType::kFloat16, DType::kBFloat16},
-                           {DType::kFloat32, DType::kFloat16}};
+  const Dtypes dtypes[] = {
+      {DType::kBFloat16, DType::kBFloat16}, {DType::kBFloat16, DType::kFloat32},
+      {DType::kFloat16, DType::kFloat16},   {DType::kFloat16, DType::kBFloat16},
+      {DType::kFloat32, DType::kFloat16},   {DType::kFp8E4M3, DType::kBFloat16},
+      {DType::kFp8E5M2, DType::kFloat32}};
   for (const Dtypes& d : dtypes) {
     for (int64_t bs : {8, 16, 24, 32}) {
       // GQA 4 and 3, and MHA and GQA 2, whose tiles repeat heads.
@@ -607,6 +608,122 @@ TEST(PagedAttention, Fp16InfAndNanInTheCacheAndHugeQueries) {
           }
           if (IsaSupported(AttentionParams::Isa::kAvx512)) {
             EXPECT_GT(internal::HalfSplitFallbacks(), before);
+          }
+        }
+      }
+    }
+  }
+}
+
+// fp8 caches on the AVX-512 build's 16-lane passes, which read each byte's
+// bits as a float's and check the bytes of tokens in range for Inf and NaN
+// themselves: against the portable build (which converts every element),
+// with unwritten slots holding NaN bytes (which must not send a pass to
+// the 8-wide redo), a NaN or Inf key or value byte at a token in range
+// (which must), and a query that its scaling by 2^56 or 2^60 would
+// overflow (which must too). One decode row of 40 tokens, GQA 4, block
+// sizes 16 (16-token key tiles, 16-lane values) and 8 (8-token key tiles,
+// 8-wide values); token 21 is a whole block's in both.
+TEST(PagedAttention, Fp8SpecialBytesUnwrittenSlotsAndHugeQueries) {
+  if (!IsaSupported(AttentionParams::Isa::kAvx512)) {
+    GTEST_SKIP() << "no AVX-512 on this CPU: the portable build is the only "
+                    "fp8 path, and the other tests cover it";
+  }
+  const int64_t D = 128, H = 8, KV = 2, n = 40;
+  enum class Odd { kNone, kKey, kValue, kQuery };
+  for (DType dtype : {DType::kFp8E4M3, DType::kFp8E5M2}) {
+    // NaN in both formats; e5m2's Inf (0x7c) too.
+    const std::vector<uint8_t> specials =
+        dtype == DType::kFp8E4M3 ? std::vector<uint8_t>{0x7f, 0xff}
+                                 : std::vector<uint8_t>{0x7c, 0xfc, 0x7f};
+    for (int64_t bs : {16, 8}) {
+      for (Odd odd : {Odd::kNone, Odd::kKey, Odd::kValue, Odd::kQuery}) {
+        for (uint8_t special : specials) {
+          if ((odd == Odd::kNone || odd == Odd::kQuery) &&
+              special != specials[0]) {
+            continue;
+          }
+          SCOPED_TRACE(::testing::Message()
+                       << DTypeName(dtype) << " block " << bs << " odd "
+                       << static_cast<int>(odd) << " byte "
+                       << static_cast<int>(special));
+          CacheConfig c;
+          c.num_blocks = 2 * n / bs + 2;
+          c.block_size = bs;
+          c.num_layers = 1;
+          c.num_kv_heads = KV;
+          c.head_size = D;
+          c.dtype = dtype;
+          auto cache = *KvCache::Create(c, CpuDevice());
+          std::memset(cache->key(0).raw_data(), 0xff, cache->key(0).nbytes());
+          std::memset(cache->value(0).raw_data(), 0xff,
+                      cache->value(0).nbytes());
+          std::mt19937_64 rng(static_cast<uint64_t>(bs));
+          std::uniform_real_distribution<float> uni(-1, 1);
+          std::vector<float> kraw(n * KV * D), vraw(n * KV * D), qraw(H * D);
+          for (auto* v : {&kraw, &vraw, &qraw}) {
+            for (float& x : *v) x = uni(rng);
+          }
+          if (odd == Odd::kQuery) qraw[7] = 1e30f;
+          AttentionRows rows;
+          rows.num_real = 1;
+          const int64_t nb = (n + bs - 1) / bs;
+          rows.width = nb;
+          rows.query_start = {0, 1};
+          rows.seq_lens = {n};
+          for (int64_t b = 0; b < nb; ++b) {
+            rows.block_tables.push_back(c.num_blocks - 1 - 2 * b);
+          }
+          std::vector<int64_t> slots(n);
+          for (int64_t p = 0; p < n; ++p) {
+            slots[p] = rows.block_tables[p / bs] * bs + p % bs;
+          }
+          ASSERT_TRUE(
+              ReshapeAndCache(*cache, 0,
+                              Activations(DType::kFloat32, {n, KV, D}, kraw),
+                              Activations(DType::kFloat32, {n, KV, D}, vraw),
+                              slots, 0.5f, 0.25f)
+                  .ok());
+          // Token 21 (a whole block's, in both block sizes), KV head 1,
+          // dim 19 (the second 16-dim chunk of keys).
+          const int64_t tok = 21, b = rows.block_tables[tok / bs];
+          if (odd == Odd::kKey) {
+            static_cast<uint8_t*>(cache->key(0).raw_data())
+                [(((b * KV + 1) * (D / 16) + 19 / 16) * bs + tok % bs) * 16 +
+                 19 % 16] = special;
+          } else if (odd == Odd::kValue) {
+            static_cast<uint8_t*>(
+                cache->value(0)
+                    .raw_data())[((b * KV + 1) * D + 19) * bs + tok % bs] =
+                special;
+          }
+          const Tensor q = Activations(DType::kFloat32, {1, H, D}, qraw);
+          Tensor outs[2];
+          const int64_t before = internal::HalfSplitFallbacks();
+          for (int k = 0; k < 2; ++k) {
+            AttentionParams p;
+            p.k_scale = 0.5f;
+            p.v_scale = 0.25f;
+            p.isa = k == 0 ? AttentionParams::Isa::kAvx512
+                           : AttentionParams::Isa::kPortable;
+            ASSERT_TRUE(
+                PagedAttention(*cache, 0, q, rows, p, nullptr, &outs[k]).ok());
+          }
+          // Values of block size 8 always take the 8-wide pass.
+          if (odd == Odd::kNone || (odd == Odd::kValue && bs == 8)) {
+            EXPECT_EQ(internal::HalfSplitFallbacks(), before);
+          } else {
+            EXPECT_GT(internal::HalfSplitFallbacks(), before);
+          }
+          for (int64_t i = 0; i < H * D; ++i) {
+            const float got = outs[0].data<float>()[i];
+            const float want = outs[1].data<float>()[i];
+            if (!std::isfinite(want)) {
+              EXPECT_FALSE(std::isfinite(got)) << "element " << i;
+            } else {
+              ASSERT_NEAR(got, want, 1e-4 + 1e-4 * std::fabs(want))
+                  << "element " << i;
+            }
           }
         }
       }
