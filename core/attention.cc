@@ -89,30 +89,35 @@ struct CacheElem<DType::kFloat32> {
   using T = float;
   static float Load(T v, float) { return v; }
   static T Store(float v, float) { return v; }
+  static bool Finite(T v) { return std::isfinite(v); }
 };
 template <>
 struct CacheElem<DType::kFloat16> {
   using T = uint16_t;
   static float Load(T v, float) { return HalfToFloatFast(v); }
   static T Store(float v, float) { return FloatToHalf(v); }
+  static bool Finite(T v) { return (v & 0x7c00) != 0x7c00; }
 };
 template <>
 struct CacheElem<DType::kBFloat16> {
   using T = uint16_t;
   static float Load(T v, float) { return BF16ToFloat(v); }
   static T Store(float v, float) { return FloatToBF16(v); }
+  static bool Finite(T v) { return (v & 0x7f80) != 0x7f80; }
 };
 template <>
 struct CacheElem<DType::kFp8E4M3> {
   using T = uint8_t;
   static float Load(T v, float s) { return Fp8E4M3ToFloat(v) * s; }
   static T Store(float v, float s) { return FloatToFp8E4M3(v / s); }
+  static bool Finite(T v) { return (v & 0x7f) != 0x7f; }
 };
 template <>
 struct CacheElem<DType::kFp8E5M2> {
   using T = uint8_t;
   static float Load(T v, float s) { return Fp8E5M2ToFloat(v) * s; }
   static T Store(float v, float s) { return FloatToFp8E5M2(v / s); }
+  static bool Finite(T v) { return (v & 0x7c) != 0x7c; }
 };
 
 template <typename F>
@@ -508,19 +513,24 @@ absl::Status ReshapeAndCache(const KvCache& cache, int64_t layer,
     using T = typename Elem::T;
     T* kc = static_cast<T*>(cache.key(layer).raw_data());
     T* vc = static_cast<T*>(cache.value(layer).raw_data());
+    bool finite = true;  // every element stored (see MayHoldNonFinite)
     for (int64_t t = 0; t < static_cast<int64_t>(slots.size()); ++t) {
       if (slots[t] < 0) continue;
       const int64_t b = slots[t] / c.block_size, o = slots[t] % c.block_size;
       for (int64_t h = 0; h < c.num_kv_heads; ++h) {
         const int64_t src = (t * c.num_kv_heads + h) * c.head_size;
         for (int64_t d = 0; d < c.head_size; ++d) {
-          kc[g.KeyIndex(b, h, d, o)] = Elem::Store(
-              LoadAct(key.dtype(), key.raw_data(), src + d), k_scale);
-          vc[g.ValueIndex(b, h, d, o)] = Elem::Store(
+          const T k = Elem::Store(LoadAct(key.dtype(), key.raw_data(), src + d),
+                                  k_scale);
+          const T v = Elem::Store(
               LoadAct(value.dtype(), value.raw_data(), src + d), v_scale);
+          kc[g.KeyIndex(b, h, d, o)] = k;
+          vc[g.ValueIndex(b, h, d, o)] = v;
+          finite = finite && Elem::Finite(k) && Elem::Finite(v);
         }
       }
     }
+    if (!finite) cache.NoteNonFinite(layer);
   });
   return absl::OkStatus();
 }

@@ -11,7 +11,10 @@
 // (only j > p - window with a sliding window), an exact softmax (divided by
 // the plain sum), and out = sum softmax_j * v_j, accumulated in fp32 and
 // stored in the query dtype. Slots past seq_len are never read, so unwritten
-// (even NaN) cache bytes cannot reach the output.
+// (even NaN) cache bytes cannot reach the output. An Inf or NaN in a written
+// slot reaches it as IEEE arithmetic gives it, provided the layer is flagged
+// (KvCache::MayHoldNonFinite): ReshapeAndCache flags what it writes; a writer
+// that stores into the cache bytes directly must flag them itself.
 //
 // Work is split by (row, KV head): the query heads of a GQA group share each
 // K/V block read. The partitioned kernel (vLLM v2) also splits long
@@ -108,6 +111,8 @@ struct AttentionRows {
 // float16 or bfloat16) into `layer` at `slots` (one per token; -1 skips the
 // token). Checks everything first: INVALID_ARGUMENT for shapes and dtypes,
 // OUT_OF_RANGE for a slot outside the pool; nothing is written on error.
+// Storing an Inf or NaN (fp16 overflow included) flags the layer
+// (KvCache::NoteNonFinite).
 absl::Status ReshapeAndCache(const KvCache& cache, int64_t layer,
                              const Tensor& key, const Tensor& value,
                              absl::Span<const int64_t> slots, float k_scale,
@@ -137,8 +142,8 @@ void ConvertCacheElements(DType dtype, const void* src, int64_t n, float scale,
 // where IsaSupported(kAvx512).
 bool SplitHalvesForTest(const uint16_t* src, int64_t n, float* out);
 // How many fp16 or fp8 K or V passes of the AVX-512 build were redone by
-// conversion since the process started (an Inf or NaN in the cache, or a
-// query too large for the passes' scaling).
+// conversion since the process started (an Inf or NaN in the cache of a
+// flagged layer, or a query too large for the passes' scaling).
 int64_t HalfSplitFallbacks();
 // How many consecutive (row, KV head) items of n a thread claims at a time
 // (kvh KV heads a row, `threads` threads); see attention.cc.

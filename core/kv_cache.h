@@ -8,6 +8,7 @@
 #ifndef KVSTEP_CORE_KV_CACHE_H_
 #define KVSTEP_CORE_KV_CACHE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -79,14 +80,41 @@ class KvCache {
   const Tensor& key(int64_t layer) const { return keys_[layer]; }
   const Tensor& value(int64_t layer) const { return values_[layer]; }
 
+  // Whether a written slot of layer `layer`'s K or V may hold an Inf or
+  // NaN. The flag starts clear (the cache is created zeroed; the bytes of
+  // slots nobody wrote are never read as values), ReshapeAndCache sets it
+  // when it stores one, CopyBlock carries it to the destination's layer,
+  // and nothing clears it. It exists for speed: the AVX-512 kernels for
+  // fp16 and fp8 caches read those bytes as floats of another bias, which
+  // turns an Inf or NaN finite, and check every element they read only on
+  // a layer whose flag is set (about 3.5% of an fp16 call's time,
+  // docs/attention.md). A writer that stores into the tensors directly
+  // (a test, a future shared-memory writer) must call NoteNonFinite for
+  // any layer it may have stored an Inf or NaN in, or such a value may
+  // reach the output finite instead of as IEEE arithmetic gives it.
+  bool MayHoldNonFinite(int64_t layer) const {
+    return nonfinite_[layer].load(std::memory_order_acquire);
+  }
+  void NoteNonFinite(int64_t layer) const {
+    nonfinite_[layer].store(true, std::memory_order_release);
+  }
+
  private:
   KvCache(const CacheConfig& config, std::vector<Tensor> keys,
           std::vector<Tensor> values)
-      : config_(config), keys_(std::move(keys)), values_(std::move(values)) {}
+      : config_(config),
+        keys_(std::move(keys)),
+        values_(std::move(values)),
+        nonfinite_(new std::atomic<bool>[config.num_layers]) {
+    for (int64_t l = 0; l < config.num_layers; ++l) nonfinite_[l] = false;
+  }
 
   const CacheConfig config_;
   std::vector<Tensor> keys_;
   std::vector<Tensor> values_;
+  // Per layer (see MayHoldNonFinite). Mutable state behind a const cache,
+  // like the tensors' bytes: the writers hold the cache by const reference.
+  const std::unique_ptr<std::atomic<bool>[]> nonfinite_;
 };
 
 }  // namespace kvstep

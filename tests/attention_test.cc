@@ -196,6 +196,10 @@ struct Case {
   uint64_t seed = 1;
   AttentionParams::Prefetch prefetch = AttentionParams::Prefetch::kAuto;
   AttentionParams::Bf16Keys bf16_keys = AttentionParams::Bf16Keys::kAuto;
+  // Whether the cache's layers are flagged as possibly holding Inf or NaN
+  // (KvCache::NoteNonFinite), so that the fp16 and fp8 passes check what
+  // they read; the values stay finite either way.
+  bool flagged = false;
 };
 
 Case Make(CacheLayout layout, DType cache, DType act, int64_t heads,
@@ -244,6 +248,7 @@ void Check(const Case& k) {
   for (int64_t l = 0; l < 2; ++l) {
     std::memset(cache->key(l).raw_data(), 0xff, cache->key(l).nbytes());
     std::memset(cache->value(l).raw_data(), 0xff, cache->value(l).nbytes());
+    if (k.flagged) cache->NoteNonFinite(l);
   }
   const bool fp8 = k.cache == DType::kFp8E4M3 || k.cache == DType::kFp8E5M2;
   const float kscale = fp8 ? 0.02f : 1.0f, vscale = fp8 ? 0.03f : 1.0f;
@@ -474,9 +479,9 @@ TEST(PagedAttention, Bf16KeysByDotProductsAndWidened) {
 // 128, 80 (five 16-dim chunks: a partial NHD value tile) and 64, and GQA
 // groups of 4, 3, 2 and 1 (MHA; tiles repeating heads).
 TEST(PagedAttention, WideTilesBlockSizesAndActivations) {
-  // fp16 passes by pairs and fp8 ones check the valid tokens for Inf and
-  // NaN only: the NaN in unwritten slots must not send them to the
-  // converting redo.
+  // fp16 passes by pairs and fp8 ones, on a layer flagged as possibly
+  // holding Inf or NaN, check the valid tokens only: the NaN in unwritten
+  // slots must not send them to the converting redo.
   const int64_t redone = internal::HalfSplitFallbacks();
   const Dtypes dtypes[] = {
       {DType::kBFloat16, DType::kBFloat16}, {DType::kBFloat16, DType::kFloat32},
@@ -492,12 +497,20 @@ TEST(PagedAttention, WideTilesBlockSizesAndActivations) {
             {128, 4, 4},
             {64, 4, 2}}) {
         for (CacheLayout layout : {CacheLayout::kVllm, CacheLayout::kNhd}) {
-          Case k = Make(layout, d.cache, d.act, heads, kv);
-          k.block_size = bs;
-          k.head_size = hs;
-          k.context = 70;  // several blocks, the last one partial
-          Check(k);
-          if (HasFatalFailure()) return;
+          // The fp16 and fp8 passes with and without their Inf/NaN check.
+          const bool checks = d.cache == DType::kFloat16 ||
+                              d.cache == DType::kFp8E4M3 ||
+                              d.cache == DType::kFp8E5M2;
+          for (bool flagged : {false, true}) {
+            if (flagged && !checks) continue;
+            Case k = Make(layout, d.cache, d.act, heads, kv);
+            k.block_size = bs;
+            k.head_size = hs;
+            k.context = 70;  // several blocks, the last one partial
+            k.flagged = flagged;
+            Check(k);
+            if (HasFatalFailure()) return;
+          }
         }
       }
     }
@@ -697,6 +710,10 @@ TEST(PagedAttention, Fp8SpecialBytesUnwrittenSlotsAndHugeQueries) {
                     .raw_data())[((b * KV + 1) * D + 19) * bs + tok % bs] =
                 special;
           }
+          // As a writer that stores bytes directly must (KvCache::
+          // MayHoldNonFinite); in every case, so that the NaN of the
+          // unwritten slots is checked for being skipped too.
+          cache->NoteNonFinite(0);
           const Tensor q = Activations(DType::kFloat32, {1, H, D}, qraw);
           Tensor outs[2];
           const int64_t before = internal::HalfSplitFallbacks();
@@ -785,6 +802,123 @@ TEST(PagedAttention, LongContextsOddGroupsAndShapes) {
     Check(k);
     if (HasFatalFailure()) return;
   }
+}
+
+// KvCache::MayHoldNonFinite: clear on a new cache, set per layer by a
+// ReshapeAndCache that stores an Inf or NaN (an input one, or an fp16
+// overflow), never by finite stores, carried by CopyBlock, never cleared.
+TEST(ReshapeAndCache, NonFiniteFlagPerLayer) {
+  const float inf = std::numeric_limits<float>::infinity();
+  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16,
+                      DType::kFp8E4M3, DType::kFp8E5M2}) {
+    // fp8 stores saturate Inf (only NaN stays non-finite); 1e6 overflows
+    // fp16 to Inf.
+    std::vector<float> odd_values = {std::nanf("")};
+    if (dtype != DType::kFp8E4M3 && dtype != DType::kFp8E5M2) {
+      odd_values.push_back(-inf);
+    }
+    if (dtype == DType::kFloat16) odd_values.push_back(1e6f);
+    for (float odd : odd_values) {
+      for (bool key : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << DTypeName(dtype) << " " << odd
+                                          << (key ? " key" : " value"));
+        CacheConfig c;
+        c.num_blocks = 4;
+        c.block_size = 8;
+        c.num_layers = 3;
+        c.num_kv_heads = 2;
+        c.head_size = 16;
+        c.dtype = dtype;
+        auto cache = *KvCache::Create(c, CpuDevice());
+        auto other = *KvCache::Create(c, CpuDevice());
+        std::vector<float> k(32, 0.5f), v(32, -0.25f);
+        const int64_t slots[] = {3, 12};
+        const auto write = [&](int64_t layer) {
+          return ReshapeAndCache(
+              *cache, layer, Activations(DType::kFloat32, {2, 2, 16}, k),
+              Activations(DType::kFloat32, {2, 2, 16}, v), slots, 1, 1);
+        };
+        for (int64_t l = 0; l < 3; ++l) ASSERT_TRUE(write(l).ok());
+        for (int64_t l = 0; l < 3; ++l)
+          EXPECT_FALSE(cache->MayHoldNonFinite(l));
+        (key ? k : v)[21] = odd;  // the second token's
+        ASSERT_TRUE(write(1).ok());
+        EXPECT_FALSE(cache->MayHoldNonFinite(0));
+        EXPECT_TRUE(cache->MayHoldNonFinite(1));
+        EXPECT_FALSE(cache->MayHoldNonFinite(2));
+        // Finite stores over it do not clear it.
+        (key ? k : v)[21] = 1.0f;
+        ASSERT_TRUE(write(1).ok());
+        EXPECT_TRUE(cache->MayHoldNonFinite(1));
+        KvCache::CopyBlock(*cache, 0, *other, 3);
+        EXPECT_FALSE(other->MayHoldNonFinite(0));
+        EXPECT_TRUE(other->MayHoldNonFinite(1));
+        EXPECT_FALSE(other->MayHoldNonFinite(2));
+      }
+    }
+  }
+}
+
+// An fp16 Inf stored directly into the cache bytes, as a writer other than
+// ReshapeAndCache could: on an unflagged layer the AVX-512 passes by pairs
+// do not check for it (and the output comes out finite: the hazard the
+// flag's contract names); once NoteNonFinite flags the layer, they find it
+// and redo the passes by conversion, and the output is not finite, as
+// through the portable build.
+TEST(PagedAttention, UnflaggedLayerSkipsTheInfNanCheck) {
+  if (!IsaSupported(AttentionParams::Isa::kAvx512)) {
+    GTEST_SKIP() << "no AVX-512 on this CPU: no pass reads fp16 by pairs";
+  }
+  const int64_t D = 128, H = 8, KV = 2, n = 40, bs = 16;
+  CacheConfig c;
+  c.num_blocks = 4;
+  c.block_size = bs;
+  c.num_layers = 1;
+  c.num_kv_heads = KV;
+  c.head_size = D;
+  c.dtype = DType::kFloat16;
+  auto cache = *KvCache::Create(c, CpuDevice());
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<float> uni(-1, 1);
+  std::vector<float> kraw(n * KV * D), vraw(n * KV * D), qraw(H * D);
+  for (auto* v : {&kraw, &vraw, &qraw}) {
+    for (float& x : *v) x = uni(rng);
+  }
+  AttentionRows rows;
+  rows.num_real = 1;
+  rows.width = 3;
+  rows.query_start = {0, 1};
+  rows.seq_lens = {n};
+  rows.block_tables = {2, 0, 3};
+  std::vector<int64_t> slots(n);
+  for (int64_t p = 0; p < n; ++p) {
+    slots[p] = rows.block_tables[p / bs] * bs + p % bs;
+  }
+  ASSERT_TRUE(ReshapeAndCache(
+                  *cache, 0, Activations(DType::kFloat32, {n, KV, D}, kraw),
+                  Activations(DType::kFloat32, {n, KV, D}, vraw), slots, 1, 1)
+                  .ok());
+  ASSERT_FALSE(cache->MayHoldNonFinite(0));
+  // Value of token 5 (block 2, offset 5), KV head 1, dim 3: +Inf.
+  static_cast<uint16_t*>(
+      cache->value(0).raw_data())[((2 * KV + 1) * D + 3) * bs + 5] = 0x7c00;
+  const Tensor q = Activations(DType::kFloat32, {1, H, D}, qraw);
+  const auto run = [&](AttentionParams::Isa isa) {
+    AttentionParams p;
+    p.isa = isa;
+    Tensor out;
+    EXPECT_TRUE(PagedAttention(*cache, 0, q, rows, p, nullptr, &out).ok());
+    // Query heads 4-7 read KV head 1; element 3 of each.
+    return out.data<float>()[4 * D + 3];
+  };
+  EXPECT_FALSE(std::isfinite(run(AttentionParams::Isa::kPortable)));
+  int64_t before = internal::HalfSplitFallbacks();
+  EXPECT_TRUE(std::isfinite(run(AttentionParams::Isa::kAvx512)));
+  EXPECT_EQ(internal::HalfSplitFallbacks(), before);
+  cache->NoteNonFinite(0);
+  before = internal::HalfSplitFallbacks();
+  EXPECT_FALSE(std::isfinite(run(AttentionParams::Isa::kAvx512)));
+  EXPECT_GT(internal::HalfSplitFallbacks(), before);
 }
 
 // The raw vLLM layout, written out independently of the kernel: key
