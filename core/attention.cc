@@ -176,8 +176,8 @@ struct Scratch {
 // Passes over fp16 or fp8 keys or values that met an Inf or NaN (or a
 // query too large for their scaling) and were redone by conversion
 // (attention_kernel.inc: SplitHalvesZ, LogitsFp8Z, ValuesFp8Z), for tests:
-// internal::HalfSplitFallbacks.
-std::atomic<int64_t> half_split_fallbacks{0};
+// internal::ConvertingRedos.
+std::atomic<int64_t> converting_redos{0};
 
 // Whether this CPU's vendor is AMD (or Hygon, whose cores are AMD's Zen):
 // the kernel's choices that were measured to differ by CPU (prefetch hint,
@@ -615,7 +615,7 @@ void ConvertCacheElements(DType dtype, const void* src, int64_t n, float scale,
   });
 }
 
-int64_t HalfSplitFallbacks() { return half_split_fallbacks.load(); }
+int64_t ConvertingRedos() { return converting_redos.load(); }
 
 int64_t ClaimSize(int64_t n, int64_t kvh, int64_t threads) {
   return kvstep::ClaimSize(n, kvh, threads);

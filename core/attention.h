@@ -144,7 +144,7 @@ bool SplitHalvesForTest(const uint16_t* src, int64_t n, float* out);
 // How many fp16 or fp8 K or V passes of the AVX-512 build were redone by
 // conversion since the process started (an Inf or NaN in the cache of a
 // flagged layer, or a query too large for the passes' scaling).
-int64_t HalfSplitFallbacks();
+int64_t ConvertingRedos();
 // How many consecutive (row, KV head) items of n a thread claims at a time
 // (kvh KV heads a row, `threads` threads); see attention.cc.
 int64_t ClaimSize(int64_t n, int64_t kvh, int64_t threads);

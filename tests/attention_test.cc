@@ -482,7 +482,7 @@ TEST(PagedAttention, WideTilesBlockSizesAndActivations) {
   // fp16 passes by pairs and fp8 ones, on a layer flagged as possibly
   // holding Inf or NaN, check the valid tokens only: the NaN in unwritten
   // slots must not send them to the converting redo.
-  const int64_t redone = internal::HalfSplitFallbacks();
+  const int64_t redone = internal::ConvertingRedos();
   const Dtypes dtypes[] = {
       {DType::kBFloat16, DType::kBFloat16}, {DType::kBFloat16, DType::kFloat32},
       {DType::kFloat16, DType::kFloat16},   {DType::kFloat16, DType::kBFloat16},
@@ -515,7 +515,7 @@ TEST(PagedAttention, WideTilesBlockSizesAndActivations) {
       }
     }
   }
-  EXPECT_EQ(internal::HalfSplitFallbacks(), redone);
+  EXPECT_EQ(internal::ConvertingRedos(), redone);
 }
 
 // An Inf or NaN written into an fp16 cache reaches the output as it would
@@ -601,7 +601,7 @@ TEST(PagedAttention, Fp16InfAndNanInTheCacheAndHugeQueries) {
               }
             }
           }
-          const int64_t before = internal::HalfSplitFallbacks();
+          const int64_t before = internal::ConvertingRedos();
           for (auto isa : TestedIsas()) {
             AttentionParams p;
             p.isa = isa;
@@ -620,7 +620,7 @@ TEST(PagedAttention, Fp16InfAndNanInTheCacheAndHugeQueries) {
             }
           }
           if (IsaSupported(AttentionParams::Isa::kAvx512)) {
-            EXPECT_GT(internal::HalfSplitFallbacks(), before);
+            EXPECT_GT(internal::ConvertingRedos(), before);
           }
         }
       }
@@ -716,7 +716,7 @@ TEST(PagedAttention, Fp8SpecialBytesUnwrittenSlotsAndHugeQueries) {
           cache->NoteNonFinite(0);
           const Tensor q = Activations(DType::kFloat32, {1, H, D}, qraw);
           Tensor outs[2];
-          const int64_t before = internal::HalfSplitFallbacks();
+          const int64_t before = internal::ConvertingRedos();
           for (int k = 0; k < 2; ++k) {
             AttentionParams p;
             p.k_scale = 0.5f;
@@ -728,9 +728,9 @@ TEST(PagedAttention, Fp8SpecialBytesUnwrittenSlotsAndHugeQueries) {
           }
           // Values of block size 8 always take the 8-wide pass.
           if (odd == Odd::kNone || (odd == Odd::kValue && bs == 8)) {
-            EXPECT_EQ(internal::HalfSplitFallbacks(), before);
+            EXPECT_EQ(internal::ConvertingRedos(), before);
           } else {
-            EXPECT_GT(internal::HalfSplitFallbacks(), before);
+            EXPECT_GT(internal::ConvertingRedos(), before);
           }
           for (int64_t i = 0; i < H * D; ++i) {
             const float got = outs[0].data<float>()[i];
@@ -912,13 +912,13 @@ TEST(PagedAttention, UnflaggedLayerSkipsTheInfNanCheck) {
     return out.data<float>()[4 * D + 3];
   };
   EXPECT_FALSE(std::isfinite(run(AttentionParams::Isa::kPortable)));
-  int64_t before = internal::HalfSplitFallbacks();
+  int64_t before = internal::ConvertingRedos();
   EXPECT_TRUE(std::isfinite(run(AttentionParams::Isa::kAvx512)));
-  EXPECT_EQ(internal::HalfSplitFallbacks(), before);
+  EXPECT_EQ(internal::ConvertingRedos(), before);
   cache->NoteNonFinite(0);
-  before = internal::HalfSplitFallbacks();
+  before = internal::ConvertingRedos();
   EXPECT_FALSE(std::isfinite(run(AttentionParams::Isa::kAvx512)));
-  EXPECT_GT(internal::HalfSplitFallbacks(), before);
+  EXPECT_GT(internal::ConvertingRedos(), before);
 }
 
 // The raw vLLM layout, written out independently of the kernel: key
