@@ -18,6 +18,7 @@
 
 #include "absl/strings/str_format.h"
 #include "core/float_convert.h"
+#include "core/log.h"
 
 // The kernel's 8-float vector helpers are internal and always inlined, so
 // no call crosses an ABI boundary with an AVX vector; clang's -Wpsabi
@@ -530,7 +531,15 @@ absl::Status ReshapeAndCache(const KvCache& cache, int64_t layer,
         }
       }
     }
-    if (!finite) cache.NoteNonFinite(layer);
+    // A model that emits Inf or NaN keys or values is worth an operator's
+    // look; the attention over them stays IEEE (see MayHoldNonFinite).
+    if (!finite && cache.NoteNonFinite(layer)) {
+      KVSTEP_LOG(kWarning,
+                 "layer %d: an Inf or NaN key or value was stored in the KV "
+                 "cache; attention over it gives Inf or NaN, and fp16/fp8 "
+                 "attention on this layer now checks every element it reads",
+                 layer);
+    }
   });
   return absl::OkStatus();
 }

@@ -78,7 +78,7 @@ void KvCache::CopyBlock(const KvCache& src, int64_t src_block,
   const size_t n = static_cast<size_t>(src.config_.bytes_per_block());
   for (int64_t l = 0; l < src.config_.num_layers; ++l) {
     // Set before the copy, so that the flag never lags the bytes.
-    if (src.MayHoldNonFinite(l)) dst.NoteNonFinite(l);
+    if (src.MayHoldNonFinite(l)) (void)dst.NoteNonFinite(l);
     for (const auto* pair : {&src.keys_, &src.values_}) {
       const bool is_key = pair == &src.keys_;
       const Tensor& from = (*pair)[l];

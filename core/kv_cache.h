@@ -95,8 +95,9 @@ class KvCache {
   bool MayHoldNonFinite(int64_t layer) const {
     return nonfinite_[layer].load(std::memory_order_acquire);
   }
-  void NoteNonFinite(int64_t layer) const {
-    nonfinite_[layer].store(true, std::memory_order_release);
+  // Sets the flag; true if this call set it (it was clear).
+  bool NoteNonFinite(int64_t layer) const {
+    return !nonfinite_[layer].exchange(true, std::memory_order_acq_rel);
   }
 
  private:

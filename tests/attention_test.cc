@@ -854,6 +854,11 @@ TEST(ReshapeAndCache, NonFiniteFlagPerLayer) {
         EXPECT_FALSE(other->MayHoldNonFinite(0));
         EXPECT_TRUE(other->MayHoldNonFinite(1));
         EXPECT_FALSE(other->MayHoldNonFinite(2));
+        // NoteNonFinite says whether it set the flag (ReshapeAndCache logs
+        // a warning the first time a layer gets it).
+        EXPECT_FALSE(other->NoteNonFinite(1));
+        EXPECT_TRUE(other->NoteNonFinite(2));
+        EXPECT_TRUE(other->MayHoldNonFinite(2));
       }
     }
   }
