@@ -717,6 +717,9 @@ absl::Status ValidateAttention(const CacheConfig& c, const Tensor& query,
   if (p.parallel_min_bytes < 0) {
     return absl::InvalidArgumentError("parallel_min_bytes must be >= 0");
   }
+  if (p.touch_min_bytes < 0) {
+    return absl::InvalidArgumentError("touch_min_bytes must be >= 0");
+  }
   return absl::OkStatus();
 }
 

@@ -51,6 +51,11 @@ struct AttentionParams {
   // woken thread cost more than it saved (docs/attention.md). 0: always
   // use the pool (tests of the threaded paths).
   int64_t parallel_min_bytes = int64_t{4} << 20;
+  // In calls that read at least this much K/V (bytes), items over 512
+  // blocks first prefetch one line of each of their slices, all at once:
+  // measured faster only there (docs/attention.md, session 10). 0: in
+  // every call (tests).
+  int64_t touch_min_bytes = int64_t{512} << 20;
   // kBest runs the widest kernel this CPU has: AVX-512 (F, BW, VL, DQ and
   // BF16, as on Zen 4/5 and Sapphire Rapids), else AVX2+FMA+F16C, else
   // portable x86-64. The others force one, for tests and benchmarks of that

@@ -200,6 +200,7 @@ struct Case {
   // (KvCache::NoteNonFinite), so that the fp16 and fp8 passes check what
   // they read; the values stay finite either way.
   bool flagged = false;
+  int64_t touch_min_bytes = AttentionParams().touch_min_bytes;
 };
 
 Case Make(CacheLayout layout, DType cache, DType act, int64_t heads,
@@ -303,6 +304,7 @@ void Check(const Case& k) {
   p.k_scale = kscale;
   p.v_scale = vscale;
   p.sliding_window = k.window;
+  p.touch_min_bytes = k.touch_min_bytes;
   p.prefetch = k.prefetch;
   p.bf16_keys = k.bf16_keys;
   if (k.alibi) {
@@ -779,12 +781,14 @@ TEST(PagedAttention, LongContextsOddGroupsAndShapes) {
       if (HasFatalFailure()) return;
     }
     // 526 blocks of 8: items over 512 blocks first touch their slices
-    // (Partial); with a window of 4150 the keys start mid-block.
+    // (Partial), here in a small call too; with a window of 4150 the keys
+    // start mid-block.
     for (int64_t window : {0, 4150}) {
       Case k = Make(layout, DType::kBFloat16, DType::kBFloat16, 8, 2);
       k.block_size = 8;
       k.context = 4200;
       k.window = window;
+      k.touch_min_bytes = 0;
       Check(k);
       if (HasFatalFailure()) return;
     }
@@ -1046,6 +1050,11 @@ TEST(PagedAttention, ValidationNamesTheRow) {
   s = PagedAttention(*cache, 0, q, rows, p, nullptr, &out);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(s.message()), HasSubstr("parallel_min_bytes"));
+  p = {};
+  p.touch_min_bytes = -1;
+  s = PagedAttention(*cache, 0, q, rows, p, nullptr, &out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("touch_min_bytes"));
 }
 
 }  // namespace
