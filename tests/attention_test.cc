@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 #include <tuple>
 #include <utility>
@@ -186,6 +187,41 @@ float Act(const Tensor& t, int64_t i) {
   return t.dtype() == DType::kFloat16 ? HalfToFloat(v) : BF16ToFloat(v);
 }
 
+// A cache of one layer (vLLM layout): num_blocks blocks of bs slots, kv
+// KV heads of head size d, in `dtype`.
+std::unique_ptr<KvCache> OneLayerCache(DType dtype, int64_t num_blocks,
+                                       int64_t bs, int64_t kv, int64_t d) {
+  CacheConfig c;
+  c.num_blocks = num_blocks;
+  c.block_size = bs;
+  c.num_layers = 1;
+  c.num_kv_heads = kv;
+  c.head_size = d;
+  c.dtype = dtype;
+  return *KvCache::Create(c, CpuDevice());
+}
+
+// One decode row of n tokens whose block table is `table`.
+AttentionRows OneDecodeRow(int64_t n, std::vector<int64_t> table) {
+  AttentionRows rows;
+  rows.num_real = 1;
+  rows.width = static_cast<int64_t>(table.size());
+  rows.query_start = {0, 1};
+  rows.seq_lens = {n};
+  rows.block_tables = std::move(table);
+  return rows;
+}
+
+// The slots of row r's seq_lens[r] positions, through its block table.
+std::vector<int64_t> RowSlots(const AttentionRows& rows, int64_t r,
+                              int64_t bs) {
+  std::vector<int64_t> slots(rows.seq_lens[r]);
+  for (int64_t p = 0; p < rows.seq_lens[r]; ++p) {
+    slots[p] = rows.block_tables[r * rows.width + p / bs] * bs + p % bs;
+  }
+  return slots;
+}
+
 struct Case {
   int64_t head_size = 64, block_size = 16, heads = 4, kv_heads = 4;
   DType cache = DType::kFloat32, act = DType::kFloat32;
@@ -278,12 +314,7 @@ void Check(const Case& k) {
     std::vector<float> kraw(n), vraw(n);
     for (float& x : kraw) x = uni(rng);
     for (float& x : vraw) x = uni(rng);
-    std::vector<int64_t> slots(lens[r]);
-    for (int64_t p = 0; p < lens[r]; ++p) {
-      slots[p] =
-          rows.block_tables[r * rows.width + p / k.block_size] * k.block_size +
-          p % k.block_size;
-    }
+    const std::vector<int64_t> slots = RowSlots(rows, r, k.block_size);
     const Tensor kt = Activations(k.act, {lens[r], KV, D}, kraw);
     const Tensor vt = Activations(k.act, {lens[r], KV, D}, vraw);
     ASSERT_TRUE(
@@ -537,14 +568,7 @@ TEST(PagedAttention, Fp16InfAndNanInTheCacheAndHugeQueries) {
           SCOPED_TRACE(::testing::Message()
                        << "block " << bs << " token " << tok << " value " << odd
                        << (key ? " key" : " value"));
-          CacheConfig c;
-          c.num_blocks = 8;
-          c.block_size = bs;
-          c.num_layers = 1;
-          c.num_kv_heads = KV;
-          c.head_size = D;
-          c.dtype = DType::kFloat16;
-          auto cache = *KvCache::Create(c, CpuDevice());
+          auto cache = OneLayerCache(DType::kFloat16, 8, bs, KV, D);
           std::memset(cache->key(0).raw_data(), 0xff, cache->key(0).nbytes());
           std::memset(cache->value(0).raw_data(), 0xff,
                       cache->value(0).nbytes());
@@ -561,16 +585,8 @@ TEST(PagedAttention, Fp16InfAndNanInTheCacheAndHugeQueries) {
           } else {
             qraw[7] = 0x1p20f;
           }
-          AttentionRows rows;
-          rows.num_real = 1;
-          rows.width = 8;
-          rows.query_start = {0, 1};
-          rows.seq_lens = {n};
-          rows.block_tables = {6, 2, 4, 0, 1, 3, 5, 7};
-          std::vector<int64_t> slots(n);
-          for (int64_t p = 0; p < n; ++p) {
-            slots[p] = rows.block_tables[p / bs] * bs + p % bs;
-          }
+          const AttentionRows rows = OneDecodeRow(n, {6, 2, 4, 0, 1, 3, 5, 7});
+          const std::vector<int64_t> slots = RowSlots(rows, 0, bs);
           ASSERT_TRUE(
               ReshapeAndCache(
                   *cache, 0, Activations(DType::kFloat32, {n, KV, D}, kraw),
@@ -662,14 +678,8 @@ TEST(PagedAttention, Fp8SpecialBytesUnwrittenSlotsAndHugeQueries) {
                        << DTypeName(dtype) << " block " << bs << " odd "
                        << static_cast<int>(odd) << " byte "
                        << static_cast<int>(special));
-          CacheConfig c;
-          c.num_blocks = 2 * n / bs + 2;
-          c.block_size = bs;
-          c.num_layers = 1;
-          c.num_kv_heads = KV;
-          c.head_size = D;
-          c.dtype = dtype;
-          auto cache = *KvCache::Create(c, CpuDevice());
+          const int64_t num_blocks = 2 * n / bs + 2;
+          auto cache = OneLayerCache(dtype, num_blocks, bs, KV, D);
           std::memset(cache->key(0).raw_data(), 0xff, cache->key(0).nbytes());
           std::memset(cache->value(0).raw_data(), 0xff,
                       cache->value(0).nbytes());
@@ -680,19 +690,12 @@ TEST(PagedAttention, Fp8SpecialBytesUnwrittenSlotsAndHugeQueries) {
             for (float& x : *v) x = uni(rng);
           }
           if (odd == Odd::kQuery) qraw[7] = 1e30f;
-          AttentionRows rows;
-          rows.num_real = 1;
-          const int64_t nb = (n + bs - 1) / bs;
-          rows.width = nb;
-          rows.query_start = {0, 1};
-          rows.seq_lens = {n};
-          for (int64_t b = 0; b < nb; ++b) {
-            rows.block_tables.push_back(c.num_blocks - 1 - 2 * b);
+          std::vector<int64_t> table;
+          for (int64_t b = 0; b < (n + bs - 1) / bs; ++b) {
+            table.push_back(num_blocks - 1 - 2 * b);
           }
-          std::vector<int64_t> slots(n);
-          for (int64_t p = 0; p < n; ++p) {
-            slots[p] = rows.block_tables[p / bs] * bs + p % bs;
-          }
+          const AttentionRows rows = OneDecodeRow(n, std::move(table));
+          const std::vector<int64_t> slots = RowSlots(rows, 0, bs);
           ASSERT_TRUE(
               ReshapeAndCache(*cache, 0,
                               Activations(DType::kFloat32, {n, KV, D}, kraw),
@@ -889,30 +892,15 @@ TEST(PagedAttention, UnflaggedLayerSkipsTheInfNanCheck) {
     GTEST_SKIP() << "no AVX-512 on this CPU: no pass reads fp16 by pairs";
   }
   const int64_t D = 128, H = 8, KV = 2, n = 40, bs = 16;
-  CacheConfig c;
-  c.num_blocks = 4;
-  c.block_size = bs;
-  c.num_layers = 1;
-  c.num_kv_heads = KV;
-  c.head_size = D;
-  c.dtype = DType::kFloat16;
-  auto cache = *KvCache::Create(c, CpuDevice());
+  auto cache = OneLayerCache(DType::kFloat16, 4, bs, KV, D);
   std::mt19937_64 rng(7);
   std::uniform_real_distribution<float> uni(-1, 1);
   std::vector<float> kraw(n * KV * D), vraw(n * KV * D), qraw(H * D);
   for (auto* v : {&kraw, &vraw, &qraw}) {
     for (float& x : *v) x = uni(rng);
   }
-  AttentionRows rows;
-  rows.num_real = 1;
-  rows.width = 3;
-  rows.query_start = {0, 1};
-  rows.seq_lens = {n};
-  rows.block_tables = {2, 0, 3};
-  std::vector<int64_t> slots(n);
-  for (int64_t p = 0; p < n; ++p) {
-    slots[p] = rows.block_tables[p / bs] * bs + p % bs;
-  }
+  const AttentionRows rows = OneDecodeRow(n, {2, 0, 3});
+  const std::vector<int64_t> slots = RowSlots(rows, 0, bs);
   ASSERT_TRUE(ReshapeAndCache(
                   *cache, 0, Activations(DType::kFloat32, {n, KV, D}, kraw),
                   Activations(DType::kFloat32, {n, KV, D}, vraw), slots, 1, 1)
