@@ -47,8 +47,12 @@ inline float LoadAct(DType d, const void* p, int64_t i) {
 
 // exp(x) for x <= 0 (logits minus their max), branch-free so that loops
 // over it vectorize: 2^(x log2 e) split into 2^n * 2^f with a degree-6
-// polynomial for 2^f on [-0.5, 0.5]; relative error ~2e-7. At or below
-// -87 (exp underflows there anyway), and for NaN, it returns exactly 0.
+// polynomial for 2^f on [-0.5, 0.5]; relative error ~2e-7 near 0, plus
+// the float rounding of x log2(e): 1.6e-6 at -22, 3.8e-6 at -86 (weights
+// that far below the max do not move a sum of at least 1). At or below -87
+// (exp underflows there anyway), and for NaN, it returns exactly 0. The
+// builds with FMAs (AVX2, AVX-512) round the polynomial differently from
+// this one, by an ulp here and there (VectorExpAgreesAcrossBuilds).
 __attribute__((always_inline)) inline float FastExp(float x) {
   // Masked keys (-inf) and NaN weigh exactly 0; this also keeps the int
   // conversion below in range.
@@ -629,6 +633,24 @@ int64_t ConvertingRedos() { return converting_redos.load(); }
 int64_t ClaimSize(int64_t n, int64_t kvh, int64_t threads) {
   return kvstep::ClaimSize(n, kvh, threads);
 }
+
+void ExpForTest(AttentionParams::Isa isa, const float* x, int64_t n,
+                float* out) {
+  switch (Resolve(isa)) {
+#ifdef KVSTEP_ATTN_X86
+    case Isa::kAvx512:
+      avx512::ExpRow(x, n, out);
+      return;
+    case Isa::kAvx2:
+      avx2::ExpRow(x, n, out);
+      return;
+#endif
+    default:
+      portable::ExpRow(x, n, out);
+  }
+}
+
+float ScalarExpForTest(float x) { return FastExp(x); }
 
 bool SplitHalvesForTest(const uint16_t* src, int64_t n, float* out) {
 #ifdef KVSTEP_ATTN_X86

@@ -146,6 +146,13 @@ void ConvertCacheElements(DType dtype, const void* src, int64_t n, float scale,
 // order and undone (times 2^112): false if its Inf/NaN check fired. Only
 // where IsaSupported(kAvx512).
 bool SplitHalvesForTest(const uint16_t* src, int64_t n, float* out);
+// The softmax's exp (FastExp in attention.cc: x <= 0, 0 at or below -87
+// and for NaN) over n floats (n a multiple of 16) by the vector loop of
+// `isa`'s build (callers check IsaSupported), and the scalar one: the
+// builds' weights agree bit for bit.
+void ExpForTest(AttentionParams::Isa isa, const float* x, int64_t n,
+                float* out);
+float ScalarExpForTest(float x);
 // How many fp16 or fp8 K or V passes of the AVX-512 build were redone by
 // conversion since the process started (an Inf or NaN in the cache of a
 // flagged layer, or a query too large for the passes' scaling).

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <memory>
 #include <random>
 #include <tuple>
@@ -81,6 +82,59 @@ TEST(PagedAttention, Avx512BuildRunsHere) {
   }
   EXPECT_EQ(BestIsa(), AttentionParams::Isa::kAvx512);
   EXPECT_EQ(TestedIsas().front(), AttentionParams::Isa::kAvx512);
+}
+
+// The softmax's exp in every instruction-set build: within FastExp's
+// error of exp, exactly 0 at or below -87 and for NaN, and the same bits where
+// the same arithmetic is used: AVX-512 (FastExpZ by VRNDSCALEPS and VSCALEFPS)
+// and AVX2 (FastExp8 by integer exponents) both with FMAs, the portable build
+// and the scalar exp both without. Over a sample of every 4099th
+// non-positive float, the clamp at -87 and its neighbours, -Inf and NaN.
+TEST(PagedAttention, VectorExpAgreesAcrossBuilds) {
+  std::vector<float> x = {0.0f,
+                          -0.0f,
+                          -87.0f,
+                          std::nextafter(-87.0f, 0.0f),
+                          std::nextafter(-87.0f, -100.0f),
+                          -86.5f,
+                          -0.5f,
+                          -20.0f,
+                          -std::numeric_limits<float>::denorm_min(),
+                          -std::numeric_limits<float>::infinity(),
+                          std::numeric_limits<float>::quiet_NaN()};
+  for (uint64_t b = 0x80000000u; b <= 0xff800000u; b += 4099) {
+    x.push_back(BitsFloat(static_cast<uint32_t>(b)));
+  }
+  while (x.size() % 16 != 0) x.push_back(-1.0f);
+  const int64_t n = static_cast<int64_t>(x.size());
+  std::map<AttentionParams::Isa, std::vector<float>> out;
+  for (const auto isa : TestedIsas()) {
+    std::vector<float>& o = out[isa];
+    o.resize(x.size());
+    internal::ExpForTest(isa, x.data(), n, o.data());
+    for (size_t i = 0; i < x.size(); ++i) {
+      if (!(x[i] > -87.0f)) {  // NaN too
+        ASSERT_EQ(FloatBits(o[i]), 0u)
+            << IsaName(isa) << " exp(" << x[i] << ")";
+        continue;
+      }
+      const double want = std::exp(static_cast<double>(x[i]));
+      // FastExp's bound: 2e-7 near 0, and the float rounding of x log2(e)
+      // on top (measured up to 3.8e-6 at -86.4).
+      ASSERT_NEAR(o[i], want, (3e-7 - 8e-8 * x[i]) * want)
+          << IsaName(isa) << " exp(" << x[i] << ")";
+    }
+  }
+  using Isa = AttentionParams::Isa;
+  for (size_t i = 0; i < x.size(); ++i) {
+    ASSERT_EQ(FloatBits(out[Isa::kPortable][i]),
+              FloatBits(internal::ScalarExpForTest(x[i])))
+        << "portable exp(" << x[i] << ")";
+    if (out.count(Isa::kAvx512) != 0 && out.count(Isa::kAvx2) != 0) {
+      ASSERT_EQ(FloatBits(out[Isa::kAvx512][i]), FloatBits(out[Isa::kAvx2][i]))
+          << "exp(" << x[i] << ")";
+    }
+  }
 }
 
 // The kernel's vector conversions (every instruction-set build) against
