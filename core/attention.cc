@@ -52,7 +52,8 @@ inline float LoadAct(DType d, const void* p, int64_t i) {
 // that far below the max do not move a sum of at least 1). At or below -87
 // (exp underflows there anyway), and for NaN, it returns exactly 0. The
 // builds with FMAs (AVX2, AVX-512) round the polynomial differently from
-// this one, by an ulp here and there (VectorExpAgreesAcrossBuilds).
+// this one, by an ulp here and there, and GCC, which fuses across
+// statements, differently again (VectorExpAgreesAcrossBuilds).
 __attribute__((always_inline)) inline float FastExp(float x) {
   // Masked keys (-inf) and NaN weigh exactly 0; this also keeps the int
   // conversion below in range.

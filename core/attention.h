@@ -148,8 +148,8 @@ void ConvertCacheElements(DType dtype, const void* src, int64_t n, float scale,
 bool SplitHalvesForTest(const uint16_t* src, int64_t n, float* out);
 // The softmax's exp (FastExp in attention.cc: x <= 0, 0 at or below -87
 // and for NaN) over n floats (n a multiple of 16) by the vector loop of
-// `isa`'s build (callers check IsaSupported), and the scalar one: the
-// builds' weights agree bit for bit.
+// `isa`'s build (callers check IsaSupported), and the scalar one, for a
+// test of how closely the builds agree.
 void ExpForTest(AttentionParams::Isa isa, const float* x, int64_t n,
                 float* out);
 float ScalarExpForTest(float x);
