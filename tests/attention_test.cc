@@ -248,14 +248,14 @@ float Act(const Tensor& t, int64_t i) {
   return t.dtype() == DType::kFloat16 ? HalfToFloat(v) : BF16ToFloat(v);
 }
 
-// A cache of one layer (vLLM layout): num_blocks blocks of bs slots, kv
-// KV heads of head size d, in `dtype`.
-std::unique_ptr<KvCache> OneLayerCache(DType dtype, int64_t num_blocks,
-                                       int64_t bs, int64_t kv, int64_t d) {
+// A cache of `layers` layers (vLLM layout): num_blocks blocks of bs
+// slots, kv KV heads of head size d, in `dtype`.
+std::unique_ptr<KvCache> SmallCache(DType dtype, int64_t num_blocks, int64_t bs,
+                                    int64_t kv, int64_t d, int64_t layers = 1) {
   CacheConfig c;
   c.num_blocks = num_blocks;
   c.block_size = bs;
-  c.num_layers = 1;
+  c.num_layers = layers;
   c.num_kv_heads = kv;
   c.head_size = d;
   c.dtype = dtype;
@@ -629,7 +629,7 @@ TEST(PagedAttention, Fp16InfAndNanInTheCacheAndHugeQueries) {
           SCOPED_TRACE(::testing::Message()
                        << "block " << bs << " token " << tok << " value " << odd
                        << (key ? " key" : " value"));
-          auto cache = OneLayerCache(DType::kFloat16, 8, bs, KV, D);
+          auto cache = SmallCache(DType::kFloat16, 8, bs, KV, D);
           std::memset(cache->key(0).raw_data(), 0xff, cache->key(0).nbytes());
           std::memset(cache->value(0).raw_data(), 0xff,
                       cache->value(0).nbytes());
@@ -740,7 +740,7 @@ TEST(PagedAttention, Fp8SpecialBytesUnwrittenSlotsAndHugeQueries) {
                        << static_cast<int>(odd) << " byte "
                        << static_cast<int>(special));
           const int64_t num_blocks = 2 * n / bs + 2;
-          auto cache = OneLayerCache(dtype, num_blocks, bs, KV, D);
+          auto cache = SmallCache(dtype, num_blocks, bs, KV, D);
           std::memset(cache->key(0).raw_data(), 0xff, cache->key(0).nbytes());
           std::memset(cache->value(0).raw_data(), 0xff,
                       cache->value(0).nbytes());
@@ -900,15 +900,8 @@ TEST(ReshapeAndCache, NonFiniteFlagPerLayer) {
       for (bool key : {false, true}) {
         SCOPED_TRACE(::testing::Message() << DTypeName(dtype) << " " << odd
                                           << (key ? " key" : " value"));
-        CacheConfig c;
-        c.num_blocks = 4;
-        c.block_size = 8;
-        c.num_layers = 3;
-        c.num_kv_heads = 2;
-        c.head_size = 16;
-        c.dtype = dtype;
-        auto cache = *KvCache::Create(c, CpuDevice());
-        auto other = *KvCache::Create(c, CpuDevice());
+        auto cache = SmallCache(dtype, 4, 8, 2, 16, 3);
+        auto other = SmallCache(dtype, 4, 8, 2, 16, 3);
         std::vector<float> k(32, 0.5f), v(32, -0.25f);
         const int64_t slots[] = {3, 12};
         const auto write = [&](int64_t layer) {
@@ -953,7 +946,7 @@ TEST(PagedAttention, UnflaggedLayerSkipsTheInfNanCheck) {
     GTEST_SKIP() << "no AVX-512 on this CPU: no pass reads fp16 by pairs";
   }
   const int64_t D = 128, H = 8, KV = 2, n = 40, bs = 16;
-  auto cache = OneLayerCache(DType::kFloat16, 4, bs, KV, D);
+  auto cache = SmallCache(DType::kFloat16, 4, bs, KV, D);
   std::mt19937_64 rng(7);
   std::uniform_real_distribution<float> uni(-1, 1);
   std::vector<float> kraw(n * KV * D), vraw(n * KV * D), qraw(H * D);
@@ -993,15 +986,8 @@ TEST(PagedAttention, UnflaggedLayerSkipsTheInfNanCheck) {
 // [blocks, kv_heads, head/x, block, x] and value [blocks, kv_heads, head,
 // block].
 TEST(ReshapeAndCache, VllmLayoutOffsets) {
-  CacheConfig c;
-  c.num_blocks = 4;
-  c.block_size = 8;
-  c.num_layers = 1;
-  c.num_kv_heads = 2;
-  c.head_size = 16;
-  c.dtype = DType::kFloat32;  // x = 4
-  auto cache = *KvCache::Create(c, CpuDevice());
-  std::vector<float> k(32), v(32);  // 2 heads x 16
+  auto cache = SmallCache(DType::kFloat32, 4, 8, 2, 16);  // x = 4
+  std::vector<float> k(32), v(32);                        // 2 heads x 16
   for (int i = 0; i < 32; ++i) {
     k[i] = 100 + i;
     v[i] = 200 + i;
@@ -1056,13 +1042,7 @@ TEST(PagedAttention, ClaimSizeKeepsHeadsTogetherAndThreadsEven) {
 }
 
 TEST(PagedAttention, ValidationNamesTheRow) {
-  CacheConfig c;
-  c.num_blocks = 4;
-  c.block_size = 4;
-  c.num_layers = 1;
-  c.num_kv_heads = 2;
-  c.head_size = 8;
-  auto cache = *KvCache::Create(c, CpuDevice());
+  auto cache = SmallCache(DType::kFloat16, 4, 4, 2, 8);
   AttentionRows rows;
   rows.query_start = {0, 1, 2};
   rows.seq_lens = {3, 9};
