@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -168,15 +169,44 @@ __attribute__((always_inline)) inline void Axpy(float* y, float a,
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
+// std::allocator's blocks, but starting on a cache line (64 bytes, one ZMM
+// register). The kernel's 16-lane loads and stores of scratch rows (lanes,
+// weights, query layouts: row strides of 64 bytes) would otherwise split
+// across two lines each time: operator new aligns to 16 bytes.
+template <typename T>
+struct LineAllocator {
+  using value_type = T;
+  LineAllocator() = default;
+  template <typename U>
+  explicit LineAllocator(const LineAllocator<U>& /*other*/) {}
+  T* allocate(size_t n) {
+    return static_cast<T*>(
+        ::operator new (n * sizeof(T), std::align_val_t{64}));
+  }
+  void deallocate(T* p, size_t /*n*/) {
+    ::operator delete (p, std::align_val_t{64});
+  }
+  template <typename U>
+  bool operator==(const LineAllocator<U>& /*other*/) const {
+    return true;
+  }
+  template <typename U>
+  bool operator!=(const LineAllocator<U>& /*other*/) const {
+    return false;
+  }
+};
+template <typename T>
+using LineVector = std::vector<T, LineAllocator<T>>;
+
 // A thread's scratch, reused across its items and their chunks.
 struct Scratch {
-  std::vector<float> q;          // [virtual heads][head_size], scaled
-  std::vector<float> q2;         // q laid out for the key tiles
-  std::vector<uint16_t> qb;      // bf16 q, unscaled (AVX-512 BF16 keys)
-  std::vector<float> logits;     // [virtual heads][keys, padded to 8]
-  std::vector<float> lanes;      // vLLM values: [v][head_size][8 or 16]
-  std::vector<float> weights;    // a partial block's weights, zero-padded
-  std::vector<float> m, s, acc;  // a chunk's results (Partial's outputs)
+  LineVector<float> q;          // [virtual heads][head_size], scaled
+  LineVector<float> q2;         // q laid out for the key tiles
+  LineVector<uint16_t> qb;      // bf16 q, unscaled (AVX-512 BF16 keys)
+  LineVector<float> logits;     // [virtual heads][keys, padded to 8]
+  LineVector<float> lanes;      // vLLM values: [v][head_size][8 or 16]
+  LineVector<float> weights;    // a partial block's weights, zero-padded
+  LineVector<float> m, s, acc;  // a chunk's results (Partial's outputs)
 };
 
 // Passes over fp16 or fp8 keys or values that met an Inf or NaN (or a
