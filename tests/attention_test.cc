@@ -290,6 +290,8 @@ struct Case {
   bool alibi = false;
   int64_t window = 0;
   int64_t context = 37;  // row 0's decode context
+  // Row 1: a prefill chunk of prefill_tokens ending at prefill_context.
+  int64_t prefill_context = 23, prefill_tokens = 5;
   uint64_t seed = 1;
   AttentionParams::Prefetch prefetch = AttentionParams::Prefetch::kAuto;
   AttentionParams::Bf16Keys bf16_keys = AttentionParams::Bf16Keys::kAuto;
@@ -325,10 +327,11 @@ void Check(const Case& k) {
                << static_cast<int>(k.bf16_keys));
   std::mt19937_64 rng(k.seed);
   std::uniform_real_distribution<float> uni(-1, 1);
-  // Rows: decode, prefill chunk of 5 after a cached context, decode at a
-  // block boundary, padding.
-  const std::vector<int64_t> lens = {k.context, 23, 2 * k.block_size + 1, 1};
-  const std::vector<int64_t> qlens = {1, 5, 1, 1};
+  // Rows: decode, prefill chunk after a cached context, decode at a block
+  // boundary, padding.
+  const std::vector<int64_t> lens = {k.context, k.prefill_context,
+                                     2 * k.block_size + 1, 1};
+  const std::vector<int64_t> qlens = {1, k.prefill_tokens, 1, 1};
   const int64_t width =
       (*std::max_element(lens.begin(), lens.end()) + k.block_size - 1) /
           k.block_size +
@@ -615,27 +618,33 @@ TEST(PagedAttention, WideTilesBlockSizesAndActivations) {
 // An Inf or NaN written into an fp16 cache reaches the output as it would
 // through a plain conversion (the AVX-512 passes by pairs would turn it
 // finite, and redo the pass), and a query that the pairs' 2^112 would
-// overflow is still exact. One decode row of 40 tokens, GQA 4, block sizes
-// 16 (a two-block sweep, then a partial block) and 32, the odd value at
-// a token of a whole block or of the partial one.
+// overflow is still exact. One row of 40 tokens, GQA 4, block sizes 16 (a
+// two-block sweep, then a partial block) and 32, the odd value at a token
+// of a whole block or of the partial one; decoding, or a prefill chunk of
+// its last 3 tokens (12 virtual heads, which unflagged would take the
+// value tiles, which do not check).
 TEST(PagedAttention, Fp16InfAndNanInTheCacheAndHugeQueries) {
   const int64_t D = 128, H = 8, KV = 2, G = H / KV, n = 40;
   const float inf = std::numeric_limits<float>::infinity();
   for (int64_t bs : {16, 32}) {
     for (int64_t tok : {5, 35}) {
       for (float odd : {inf, -inf, std::nanf(""), 0.0f}) {
-        for (bool key : {false, true}) {
+        for (auto [key, nq] : {std::pair<bool, int64_t>{false, 1},
+                               {true, 1},
+                               {false, 3},
+                               {true, 3}}) {
           if (odd == 0 && key) continue;  // the query case needs one run
           SCOPED_TRACE(::testing::Message()
                        << "block " << bs << " token " << tok << " value " << odd
-                       << (key ? " key" : " value"));
+                       << (key ? " key" : " value") << " query tokens " << nq);
           auto cache = SmallCache(DType::kFloat16, 8, bs, KV, D);
           std::memset(cache->key(0).raw_data(), 0xff, cache->key(0).nbytes());
           std::memset(cache->value(0).raw_data(), 0xff,
                       cache->value(0).nbytes());
           std::mt19937_64 rng(static_cast<uint64_t>(bs * 100 + tok));
           std::uniform_real_distribution<float> uni(-1, 1);
-          std::vector<float> kraw(n * KV * D), vraw(n * KV * D), qraw(H * D);
+          std::vector<float> kraw(n * KV * D), vraw(n * KV * D),
+              qraw(nq * H * D);
           for (auto* v : {&kraw, &vraw, &qraw}) {
             for (float& x : *v) x = HalfToFloat(FloatToHalf(uni(rng)));
           }
@@ -646,24 +655,27 @@ TEST(PagedAttention, Fp16InfAndNanInTheCacheAndHugeQueries) {
           } else {
             qraw[7] = 0x1p20f;
           }
-          const AttentionRows rows = OneDecodeRow(n, {6, 2, 4, 0, 1, 3, 5, 7});
+          // nq 3: a prefill chunk of the last 3 tokens (12 virtual heads:
+          // the value tiles' path where the layer is not flagged).
+          AttentionRows rows = OneDecodeRow(n, {6, 2, 4, 0, 1, 3, 5, 7});
+          rows.query_start = {0, nq};
           const std::vector<int64_t> slots = RowSlots(rows, 0, bs);
           ASSERT_TRUE(
               ReshapeAndCache(
                   *cache, 0, Activations(DType::kFloat32, {n, KV, D}, kraw),
                   Activations(DType::kFloat32, {n, KV, D}, vraw), slots, 1, 1)
                   .ok());
-          const Tensor q = Activations(DType::kFloat32, {1, H, D}, qraw);
+          const Tensor q = Activations(DType::kFloat32, {nq, H, D}, qraw);
           // What a converting kernel computes (FastExp's NaN and -inf
           // weights are 0, as std::exp's are for -inf).
-          std::vector<double> ref(H * D, 0.0);
-          for (int64_t h = 0; h < H; ++h) {
-            const int64_t g = h / G;
-            std::vector<double> w(n);
-            for (int64_t j = 0; j < n; ++j) {
+          std::vector<double> ref(nq * H * D, 0.0);
+          for (int64_t qh = 0; qh < nq * H; ++qh) {
+            const int64_t g = qh % H / G, keys = n - nq + 1 + qh / H;
+            std::vector<double> w(keys);
+            for (int64_t j = 0; j < keys; ++j) {
               double dot = 0;
               for (int64_t d = 0; d < D; ++d) {
-                dot += double{qraw[h * D + d]} * kraw[(j * KV + g) * D + d];
+                dot += double{qraw[qh * D + d]} * kraw[(j * KV + g) * D + d];
               }
               w[j] = dot / std::sqrt(double{D});
             }
@@ -674,9 +686,9 @@ TEST(PagedAttention, Fp16InfAndNanInTheCacheAndHugeQueries) {
               l = std::isnan(l - m) ? 0.0 : std::exp(l - m);
               sum += l;
             }
-            for (int64_t j = 0; j < n; ++j) {
+            for (int64_t j = 0; j < keys; ++j) {
               for (int64_t d = 0; d < D; ++d) {
-                ref[h * D + d] += w[j] / sum * vraw[(j * KV + g) * D + d];
+                ref[qh * D + d] += w[j] / sum * vraw[(j * KV + g) * D + d];
               }
             }
           }
@@ -687,7 +699,7 @@ TEST(PagedAttention, Fp16InfAndNanInTheCacheAndHugeQueries) {
             Tensor out;
             ASSERT_TRUE(
                 PagedAttention(*cache, 0, q, rows, p, nullptr, &out).ok());
-            for (int64_t i = 0; i < H * D; ++i) {
+            for (int64_t i = 0; i < nq * H * D; ++i) {
               const double got = out.data<float>()[i];
               if (!std::isfinite(ref[i])) {
                 EXPECT_FALSE(std::isfinite(got))
@@ -879,6 +891,41 @@ TEST(PagedAttention, LongContextsOddGroupsAndShapes) {
     k.alibi = true;
     Check(k);
     if (HasFatalFailure()) return;
+  }
+}
+
+// Prefill chunks of 16-bit caches in the vLLM layout (the AVX-512 build's
+// value tiles of 8 virtual heads over ranges of 16 blocks; the other builds
+// run the same cases): 39 query tokens (chunks of 16, 16 and 7, so tiles
+// that repeat heads) after a context of 600 (38 blocks of 16: three ranges,
+// the last one short and ending mid-block), GQA 4 and 3, block sizes 16
+// and 32, with and without a window that starts keys mid-block; fp16 also
+// on a layer flagged as possibly holding Inf or NaN (the pass by pairs
+// with its check instead).
+TEST(PagedAttention, PrefillChunksValueTiles) {
+  const Dtypes dtypes[] = {{DType::kBFloat16, DType::kBFloat16},
+                           {DType::kFloat16, DType::kFloat16},
+                           {DType::kFloat16, DType::kBFloat16}};
+  for (const Dtypes& d : dtypes) {
+    for (int64_t bs : {16, 32}) {
+      for (auto [heads, kv] : {std::pair<int64_t, int64_t>{8, 2}, {6, 2}}) {
+        for (int64_t window : {0, 307}) {
+          for (bool flagged : {false, true}) {
+            if (flagged && d.cache != DType::kFloat16) continue;
+            Case k = Make(CacheLayout::kVllm, d.cache, d.act, heads, kv);
+            k.head_size = 128;
+            k.block_size = bs;
+            k.prefill_context = 600;
+            k.prefill_tokens = 39;
+            k.window = window;
+            k.flagged = flagged;
+            k.seed = bs * 10 + heads + window;
+            Check(k);
+            if (HasFatalFailure()) return;
+          }
+        }
+      }
+    }
   }
 }
 
