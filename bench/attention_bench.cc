@@ -16,14 +16,14 @@
 //       [--kernel=v1|v2] [--isa=avx512|avx2|portable] [--kv_heads=8]
 //       [--prefill=N] [--warm] [--vs=isa=avx2|kernel=v1|kernel=v2|...]
 //       [--pool_mib=N] [--prefetch=auto|nta|t0|t1] [--flush_mib=N]
-//       [--bf16_keys=auto|dot|widen]
+//       [--bf16_keys=auto|dot|widen] [--amx=on|off]
 // (the filters run one slice of the grid, e.g. under perf). --pool_mib
 // draws the batch's blocks from a pool of at least N MiB, as in a server
 // whose pool is far larger than one batch; by default the pool is the
 // batch's blocks, so small batches read from a small region.
 //
-// --vs=FLAG (any of --isa=, --kernel=, --prefetch=, --bf16_keys=) times a
-// second configuration call by call against the first, in the same process
+// --vs=FLAG (any of --isa=, --kernel=, --prefetch=, --bf16_keys=, --amx=) times
+// a second configuration call by call against the first, in the same process
 // and on the same cache: A, B, A, B, ... each after its own cache flush. It
 // prints both best times and the median over pairs of B's time / A's, which
 // resolves differences of a few percent that this shared VM's drift (5-10%
@@ -236,10 +236,12 @@ std::string Describe(const AttentionParams& p) {
          " prefetch, bf16 keys " +
          (p.bf16_keys == AttentionParams::Bf16Keys::kDot     ? "by VDPBF16PS"
           : p.bf16_keys == AttentionParams::Bf16Keys::kWiden ? "widened"
-                                                             : "auto");
+                                                             : "auto") +
+         (p.amx && kvstep::AmxSupported() ? ", AMX for bf16 prefill keys" : "");
 }
 
-// --isa=..., --kernel=..., --prefetch=... and --bf16_keys=... into *p;
+// --isa=..., --kernel=..., --prefetch=..., --bf16_keys=... and --amx=... into
+// *p;
 // false for any other flag.
 bool ParseParamFlag(const std::string& a, AttentionParams* p) {
   using Isa = AttentionParams::Isa;
@@ -264,6 +266,8 @@ bool ParseParamFlag(const std::string& a, AttentionParams* p) {
     p->bf16_keys = AttentionParams::Bf16Keys::kWiden;
   } else if (a == "--bf16_keys=auto") {
     p->bf16_keys = AttentionParams::Bf16Keys::kAuto;
+  } else if (a == "--amx=on" || a == "--amx=off") {
+    p->amx = a == "--amx=on";
   } else {
     return false;
   }

@@ -15,6 +15,8 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #include "absl/strings/str_format.h"
@@ -198,6 +200,18 @@ struct LineAllocator {
 template <typename T>
 using LineVector = std::vector<T, LineAllocator<T>>;
 
+namespace amx {
+
+// One 16-token tile of keys for amx::LogitsBf16 (below): where its chunk 0
+// starts (the vLLM layout: chunks of 8 dims x the block's tokens), and its
+// tokens' logits: tokens [a, b) of the tile go to row offset off + t.
+struct KeyTile {
+  const uint16_t* k;
+  int64_t off, a, b;
+};
+
+}  // namespace amx
+
 // A thread's scratch, reused across its items and their chunks.
 struct Scratch {
   LineVector<float> q;          // [virtual heads][head_size], scaled
@@ -207,6 +221,7 @@ struct Scratch {
   LineVector<float> lanes;      // vLLM values: [v][head_size][8 or 16]
   LineVector<float> weights;    // a partial block's weights, zero-padded
   LineVector<float> m, s, acc;  // a chunk's results (Partial's outputs)
+  std::vector<amx::KeyTile> key_tiles;  // a prefill chunk's, for AMX
 };
 
 // Passes over fp16 or fp8 keys or values that met an Inf or NaN (or a
@@ -265,6 +280,131 @@ AttentionParams::Bf16Keys ResolveBf16Keys(AttentionParams::Bf16Keys k) {
   KVSTEP_PRAGMA(GCC push_options) KVSTEP_PRAGMA(GCC target(t))
 #define KVSTEP_TARGET_POP() KVSTEP_PRAGMA(GCC pop_options)
 #endif
+
+// AMX for the keys of prefill chunks (bf16 caches and queries, vLLM
+// layout): TDPBF16PS multiplies 16 virtual heads' query rows (A, bf16,
+// unscaled) by a 16-token tile's keys (B, in the VNNI order: dim pairs x
+// tokens), 32 dims a step, into 16 x 16 fp32 sums: exact bf16 products and
+// fp32 sums, as VDPBF16PS gives (denormals flushed, which no logit of
+// interest is). A prefill chunk's 64 virtual heads (16 tokens, GQA 4) cost
+// the FMA passes 32 FMAs per 64 bytes of keys and head tile, re-splitting
+// the keys for each of 16 head tiles; here a 4 KB block costs 128 permutes
+// (the keys' transpose into B) and 16 tile products.
+// Whether this CPU and OS run AMX-BF16 (defined below).
+bool AmxUsable();
+
+namespace amx {
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// logits[v * ln + off + t] = scale * (query row v . key t) for every tile's
+// tokens [a, b) and v < nv. qb: the unscaled bf16 query, nv rounded up to
+// 16 rows of D (the extra rows zero); cstride: elements from one key chunk
+// to the next (8 x the block size); D a multiple of 32, at most 256.
+__attribute__((
+    target("avx512f,avx512bw,avx512vl,avx512dq,amx-tile,amx-bf16"))) void
+LogitsBf16(const KeyTile* tiles, int64_t ntiles, int64_t cstride,
+           const uint16_t* qb, int64_t nv, int64_t D, float scale, int64_t ln,
+           float* lg) {
+  // Tiles 0-3: the sums of four groups of 16 heads; 4 and 6: their query
+  // rows (A, two so that one loads while the other multiplies); 5: keys.
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+  const int64_t steps = D / 32, groups = (nv + 15) / 16;
+  alignas(64) uint32_t bt[8][16][16];  // B per step: [dim pair][token]
+  alignas(64) float sums[16][16];
+  // Stage 1 takes tokens 0-7 (or 8-15) of two 4-token loads: pairs 0 and 1
+  // (ia) or 2 and 3 (ib) in lanes 0-7 and 8-15; stage 2 joins the halves.
+  const __m512i ia = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13,
+                                       17, 21, 25, 29);
+  const __m512i ib = _mm512_add_epi32(ia, _mm512_set1_epi32(2));
+  const __m512i jlo =
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i jhi = _mm512_add_epi32(jlo, _mm512_set1_epi32(8));
+  for (int64_t k = 0; k < ntiles; ++k) {
+    const KeyTile& kt = tiles[k];
+    for (int64_t c = 0; c < D / 8; ++c) {
+      // A chunk's 16 tokens x 4 dim pairs (32-bit) into 4 rows of B.
+      const uint16_t* p = kt.k + c * cstride;
+      const __m512i z0 = _mm512_loadu_si512(p), z1 = _mm512_loadu_si512(p + 32);
+      const __m512i z2 = _mm512_loadu_si512(p + 64);
+      const __m512i z3 = _mm512_loadu_si512(p + 96);
+      const __m512i a01 = _mm512_permutex2var_epi32(z0, ia, z1);
+      const __m512i b01 = _mm512_permutex2var_epi32(z0, ib, z1);
+      const __m512i a23 = _mm512_permutex2var_epi32(z2, ia, z3);
+      const __m512i b23 = _mm512_permutex2var_epi32(z2, ib, z3);
+      uint32_t(*rows)[16] = &bt[c / 4][(c % 4) * 4];
+      _mm512_store_si512(rows[0], _mm512_permutex2var_epi32(a01, jlo, a23));
+      _mm512_store_si512(rows[1], _mm512_permutex2var_epi32(a01, jhi, a23));
+      _mm512_store_si512(rows[2], _mm512_permutex2var_epi32(b01, jlo, b23));
+      _mm512_store_si512(rows[3], _mm512_permutex2var_epi32(b01, jhi, b23));
+    }
+    for (int64_t g0 = 0; g0 < groups; g0 += 4) {
+      const int64_t ng = std::min<int64_t>(4, groups - g0);
+      const uint16_t* q = qb + g0 * 16 * D;
+      const int64_t qs = D * 2;  // bytes from one query row to the next
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t s = 0; s < steps; ++s) {
+        _tile_loadd(5, bt[s], 64);
+        _tile_loadd(4, q + s * 32, qs);
+        _tile_dpbf16ps(0, 4, 5);
+        if (ng > 1) {
+          _tile_loadd(6, q + 16 * D + s * 32, qs);
+          _tile_dpbf16ps(1, 6, 5);
+        }
+        if (ng > 2) {
+          _tile_loadd(4, q + 32 * D + s * 32, qs);
+          _tile_dpbf16ps(2, 4, 5);
+        }
+        if (ng > 3) {
+          _tile_loadd(6, q + 48 * D + s * 32, qs);
+          _tile_dpbf16ps(3, 6, 5);
+        }
+      }
+      for (int64_t g = 0; g < ng; ++g) {
+        switch (g) {
+          case 0:
+            _tile_stored(0, sums, 64);
+            break;
+          case 1:
+            _tile_stored(1, sums, 64);
+            break;
+          case 2:
+            _tile_stored(2, sums, 64);
+            break;
+          default:
+            _tile_stored(3, sums, 64);
+            break;
+        }
+        const int64_t v0 = (g0 + g) * 16;
+        for (int64_t i = 0; i < 16 && v0 + i < nv; ++i) {
+          float* row = lg + (v0 + i) * ln + kt.off;
+          if (kt.a == 0 && kt.b == 16) {
+            _mm512_storeu_ps(row, _mm512_mul_ps(_mm512_load_ps(sums[i]),
+                                                _mm512_set1_ps(scale)));
+          } else {
+            for (int64_t t = kt.a; t < kt.b; ++t) row[t] = sums[i][t] * scale;
+          }
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+}  // namespace amx
 
 KVSTEP_TARGET_PUSH(
     "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
@@ -325,9 +465,30 @@ bool HasAvx512() {
   }();
   return has;
 }
+bool AmxUsable() {
+  static const bool usable = [] {
+    if (!HasAvx512()) return false;
+    // CPUID.(7,0):EDX[22] AMX-BF16, [24] AMX-TILE; then the kernel's
+    // permission for the tile data (ARCH_REQ_XCOMP_PERM, XTILEDATA = 18),
+    // which Linux grants per process.
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0 ||
+        (edx & (1u << 22)) == 0 || (edx & (1u << 24)) == 0) {
+      return false;
+    }
+#if defined(__linux__) && defined(__x86_64__)
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // NOLINT
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+#else
+    return false;
+#endif
+  }();
+  return usable;
+}
 #else
 bool HasAvx2() { return false; }
 bool HasAvx512() { return false; }
+bool AmxUsable() { return false; }
 #endif
 
 // The instruction set a request runs on: kBest resolved, else as asked
@@ -591,6 +752,8 @@ bool IsaSupported(AttentionParams::Isa isa) {
 }
 
 AttentionParams::Isa BestIsa() { return Resolve(Isa::kBest); }
+
+bool AmxSupported() { return AmxUsable(); }
 
 const char* IsaName(AttentionParams::Isa isa) {
   switch (isa) {

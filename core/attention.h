@@ -89,6 +89,12 @@ struct AttentionParams {
   // Other queries and caches are unaffected.
   enum class Bf16Keys { kAuto, kDot, kWiden };
   Bf16Keys bf16_keys = Bf16Keys::kAuto;
+  // Whether the AVX-512 build may use AMX (AMX-BF16: TDPBF16PS) where the
+  // CPU and OS have it (AmxSupported): for the keys of prefill chunks of 2
+  // or more query tokens, bf16 caches and queries, vLLM layout, block sizes
+  // 16 and 32, head sizes that are multiples of 32 (exact bf16 products,
+  // fp32 sums, as kDot). false: the FMA passes (tests, benchmarks).
+  bool amx = true;
 };
 
 // Whether this CPU runs `isa` (kBest and kPortable: always), its name, and
@@ -101,6 +107,8 @@ AttentionParams::Prefetch BestPrefetch();
 const char* PrefetchName(AttentionParams::Prefetch prefetch);
 // "auto", "nta", "t0" or "t1" into *out (flags); false for anything else.
 bool ParsePrefetch(absl::string_view name, AttentionParams::Prefetch* out);
+// Whether this CPU and OS run AMX-BF16 (AttentionParams::amx).
+bool AmxSupported();
 // What kAuto multiplies bf16 keys with on this CPU (never kAuto).
 AttentionParams::Bf16Keys BestBf16Keys();
 

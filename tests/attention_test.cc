@@ -300,6 +300,7 @@ struct Case {
   // they read; the values stay finite either way.
   bool flagged = false;
   int64_t touch_min_bytes = AttentionParams().touch_min_bytes;
+  bool amx = true;  // AttentionParams::amx
 };
 
 Case Make(CacheLayout layout, DType cache, DType act, int64_t heads,
@@ -402,6 +403,7 @@ void Check(const Case& k) {
   p.touch_min_bytes = k.touch_min_bytes;
   p.prefetch = k.prefetch;
   p.bf16_keys = k.bf16_keys;
+  p.amx = k.amx;
   if (k.alibi) {
     for (int64_t h = 0; h < H; ++h)
       p.alibi_slopes.push_back(std::pow(2.0f, -(h + 1)));
@@ -895,13 +897,17 @@ TEST(PagedAttention, LongContextsOddGroupsAndShapes) {
 }
 
 // Prefill chunks of 16-bit caches in the vLLM layout (the AVX-512 build's
-// value tiles of 8 virtual heads over ranges of 16 blocks; the other builds
-// run the same cases): 39 query tokens (chunks of 16, 16 and 7, so tiles
-// that repeat heads) after a context of 600 (38 blocks of 16: three ranges,
-// the last one short and ending mid-block), GQA 4 and 3, block sizes 16
-// and 32, with and without a window that starts keys mid-block; fp16 also
-// on a layer flagged as possibly holding Inf or NaN (the pass by pairs
-// with its check instead).
+// value tiles of 8 virtual heads over ranges of 16 blocks, and for bf16
+// keys against a bf16 query its AMX tiles, where the CPU has AMX-BF16, and
+// without them; the other builds run the same cases): 39 query tokens
+// (chunks of 16, 16 and 7, so tiles that repeat heads, and AMX head groups
+// padded with zero rows) after a context of 600 (38 blocks of 16: three
+// ranges, the last one short and ending mid-block), GQA 4 and 3, block
+// sizes 16 and 32, with and without a window that starts keys mid-block
+// (AMX key tiles of part of 16 tokens); fp16 also on a layer flagged as
+// possibly holding Inf or NaN (the pass by pairs with its check instead).
+// Then bf16 with head sizes 64 and 256 (2 and 8 AMX steps of 32 dims), and
+// a bf16 cache against an fp32 query (no AMX).
 TEST(PagedAttention, PrefillChunksValueTiles) {
   const Dtypes dtypes[] = {{DType::kBFloat16, DType::kBFloat16},
                            {DType::kFloat16, DType::kFloat16},
@@ -911,21 +917,36 @@ TEST(PagedAttention, PrefillChunksValueTiles) {
       for (auto [heads, kv] : {std::pair<int64_t, int64_t>{8, 2}, {6, 2}}) {
         for (int64_t window : {0, 307}) {
           for (bool flagged : {false, true}) {
-            if (flagged && d.cache != DType::kFloat16) continue;
-            Case k = Make(CacheLayout::kVllm, d.cache, d.act, heads, kv);
-            k.head_size = 128;
-            k.block_size = bs;
-            k.prefill_context = 600;
-            k.prefill_tokens = 39;
-            k.window = window;
-            k.flagged = flagged;
-            k.seed = bs * 10 + heads + window;
-            Check(k);
-            if (HasFatalFailure()) return;
+            for (bool amx : {true, false}) {
+              if (flagged && d.cache != DType::kFloat16) continue;
+              if (!amx && d.cache != DType::kBFloat16) continue;
+              Case k = Make(CacheLayout::kVllm, d.cache, d.act, heads, kv);
+              k.head_size = 128;
+              k.block_size = bs;
+              k.prefill_context = 600;
+              k.prefill_tokens = 39;
+              k.window = window;
+              k.flagged = flagged;
+              k.amx = amx;
+              k.seed = bs * 10 + heads + window;
+              Check(k);
+              if (HasFatalFailure()) return;
+            }
           }
         }
       }
     }
+  }
+  for (auto [hs, act] : {std::pair<int64_t, DType>{64, DType::kBFloat16},
+                         {256, DType::kBFloat16},
+                         {128, DType::kFloat32}}) {
+    Case k = Make(CacheLayout::kVllm, DType::kBFloat16, act, 8, 2);
+    k.head_size = hs;
+    k.prefill_context = 300;
+    k.prefill_tokens = 20;
+    k.window = 250;
+    Check(k);
+    if (HasFatalFailure()) return;
   }
 }
 
