@@ -237,7 +237,9 @@ std::string Describe(const AttentionParams& p) {
          (p.bf16_keys == AttentionParams::Bf16Keys::kDot     ? "by VDPBF16PS"
           : p.bf16_keys == AttentionParams::Bf16Keys::kWiden ? "widened"
                                                              : "auto") +
-         (p.amx && kvstep::AmxSupported() ? ", AMX for bf16 prefill keys" : "");
+         (p.amx && kvstep::AmxSupported()
+              ? ", AMX for bf16 prefill chunks (beyond the FMA peak)"
+              : "");
 }
 
 // --isa=..., --kernel=..., --prefetch=..., --bf16_keys=... and --amx=... into

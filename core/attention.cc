@@ -202,11 +202,13 @@ using LineVector = std::vector<T, LineAllocator<T>>;
 
 namespace amx {
 
-// One 16-token tile of keys for amx::LogitsBf16 (below): where its chunk 0
-// starts (the vLLM layout: chunks of 8 dims x the block's tokens), and its
-// tokens' logits: tokens [a, b) of the tile go to row offset off + t.
-struct KeyTile {
-  const uint16_t* k;
+// 16 consecutive tokens of a block for the AMX passes (below): p, their
+// keys (amx::LogitsBf16: where chunk 0's rows start, chunks of 8 dims x the
+// block's tokens) or values (amx::ValuesBf16: token 0 of dim 0, dims of
+// the block's tokens); the tokens [a, b) of the 16 that are in range, whose
+// logits (and weights) are at row offset off + t.
+struct Tile16 {
+  const uint16_t* p;
   int64_t off, a, b;
 };
 
@@ -214,14 +216,14 @@ struct KeyTile {
 
 // A thread's scratch, reused across its items and their chunks.
 struct Scratch {
-  LineVector<float> q;          // [virtual heads][head_size], scaled
-  LineVector<float> q2;         // q laid out for the key tiles
-  LineVector<uint16_t> qb;      // bf16 q, unscaled (AVX-512 BF16 keys)
-  LineVector<float> logits;     // [virtual heads][keys, padded to 8]
-  LineVector<float> lanes;      // vLLM values: [v][head_size][8 or 16]
-  LineVector<float> weights;    // a partial block's weights, zero-padded
-  LineVector<float> m, s, acc;  // a chunk's results (Partial's outputs)
-  std::vector<amx::KeyTile> key_tiles;  // a prefill chunk's, for AMX
+  LineVector<float> q;             // [virtual heads][head_size], scaled
+  LineVector<float> q2;            // q laid out for the key tiles
+  LineVector<uint16_t> qb;         // bf16 q, unscaled (AVX-512 BF16 keys)
+  LineVector<float> logits;        // [virtual heads][keys, padded to 8]
+  LineVector<float> lanes;         // vLLM values: [v][head_size][8 or 16]
+  LineVector<float> weights;       // a partial block's weights, zero-padded
+  LineVector<float> m, s, acc;     // a chunk's results (Partial's outputs)
+  std::vector<amx::Tile16> tiles;  // a prefill chunk's, for AMX
 };
 
 // Passes over fp16 or fp8 keys or values that met an Inf or NaN (or a
@@ -281,19 +283,26 @@ AttentionParams::Bf16Keys ResolveBf16Keys(AttentionParams::Bf16Keys k) {
 #define KVSTEP_TARGET_POP() KVSTEP_PRAGMA(GCC pop_options)
 #endif
 
-// AMX for the keys of prefill chunks (bf16 caches and queries, vLLM
-// layout): TDPBF16PS multiplies 16 virtual heads' query rows (A, bf16,
+// AMX for prefill chunks of bf16 caches in the vLLM layout (keys:
+// LogitsBf16, against a bf16 query; values: ValuesBf16). For the keys,
+// TDPBF16PS multiplies 16 virtual heads' query rows (A, bf16,
 // unscaled) by a 16-token tile's keys (B, in the VNNI order: dim pairs x
 // tokens), 32 dims a step, into 16 x 16 fp32 sums: exact bf16 products and
 // fp32 sums, as VDPBF16PS gives (denormals flushed, which no logit of
 // interest is). A prefill chunk's 64 virtual heads (16 tokens, GQA 4) cost
 // the FMA passes 32 FMAs per 64 bytes of keys and head tile, re-splitting
 // the keys for each of 16 head tiles; here a 4 KB block costs 128 permutes
-// (the keys' transpose into B) and 16 tile products.
+// (the keys' transpose into B) and 16 tile products. The values need no
+// transpose (a dim's tokens are adjacent, as A wants them); the weights
+// do, 48 permutes per 16 tokens and 16 heads.
 // Whether this CPU and OS run AMX-BF16 (defined below).
 bool AmxUsable();
 
 namespace amx {
+
+#define KVSTEP_AMX_TARGET \
+  __attribute__((target(  \
+      "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
@@ -306,11 +315,10 @@ struct alignas(64) TileConfig {
 // tokens [a, b) and v < nv. qb: the unscaled bf16 query, nv rounded up to
 // 16 rows of D (the extra rows zero); cstride: elements from one key chunk
 // to the next (8 x the block size); D a multiple of 32, at most 256.
-__attribute__((
-    target("avx512f,avx512bw,avx512vl,avx512dq,amx-tile,amx-bf16"))) void
-LogitsBf16(const KeyTile* tiles, int64_t ntiles, int64_t cstride,
-           const uint16_t* qb, int64_t nv, int64_t D, float scale, int64_t ln,
-           float* lg) {
+KVSTEP_AMX_TARGET void LogitsBf16(const Tile16* tiles, int64_t ntiles,
+                                  int64_t cstride, const uint16_t* qb,
+                                  int64_t nv, int64_t D, float scale,
+                                  int64_t ln, float* lg) {
   // Tiles 0-3: the sums of four groups of 16 heads; 4 and 6: their query
   // rows (A, two so that one loads while the other multiplies); 5: keys.
   TileConfig cfg;
@@ -331,10 +339,10 @@ LogitsBf16(const KeyTile* tiles, int64_t ntiles, int64_t cstride,
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
   const __m512i jhi = _mm512_add_epi32(jlo, _mm512_set1_epi32(8));
   for (int64_t k = 0; k < ntiles; ++k) {
-    const KeyTile& kt = tiles[k];
+    const Tile16& kt = tiles[k];
     for (int64_t c = 0; c < D / 8; ++c) {
       // A chunk's 16 tokens x 4 dim pairs (32-bit) into 4 rows of B.
-      const uint16_t* p = kt.k + c * cstride;
+      const uint16_t* p = kt.p + c * cstride;
       const __m512i z0 = _mm512_loadu_si512(p), z1 = _mm512_loadu_si512(p + 32);
       const __m512i z2 = _mm512_loadu_si512(p + 64);
       const __m512i z3 = _mm512_loadu_si512(p + 96);
@@ -397,6 +405,198 @@ LogitsBf16(const KeyTile* tiles, int64_t ntiles, int64_t cstride,
           } else {
             for (int64_t t = kt.a; t < kt.b; ++t) row[t] = sums[i][t] * scale;
           }
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+// Rows z[i] of a [16][8] matrix of 32-bit elements, two rows a register
+// (rows 2i and 2i + 1), into out[p][n] = element (n, p): 24 permutes.
+KVSTEP_AMX_TARGET void Transpose16x8(const __m512i* z, uint32_t (*out)[16]) {
+  // Stage 1: rows 4j..4j+3 (z[2j], z[2j+1]) into u[j][k], lane 4 pp + hh =
+  // element (4j + hh, 4k + pp). Stage 2: u[2m][k] and u[2m + 1][k] into
+  // v[m][k][q], lane 8 pp + hh = element (8m + hh, 4k + 2q + pp). Stage 3:
+  // v[0][k][q] and v[1][k][q] into out[4k + 2q + pp], lane n = element (n,
+  // 4k + 2q + pp).
+  alignas(64) int32_t i1[2][16], i2[2][16], i3[2][16];
+  for (int k = 0; k < 2; ++k) {
+    for (int pp = 0; pp < 4; ++pp) {
+      for (int hh = 0; hh < 4; ++hh) i1[k][pp * 4 + hh] = hh * 8 + 4 * k + pp;
+    }
+  }
+  for (int q = 0; q < 2; ++q) {
+    for (int pp = 0; pp < 2; ++pp) {
+      for (int hh = 0; hh < 8; ++hh) {
+        i2[q][pp * 8 + hh] = (hh < 4 ? 0 : 16) + (2 * q + pp) * 4 + hh % 4;
+      }
+    }
+  }
+  for (int pp = 0; pp < 2; ++pp) {
+    for (int n = 0; n < 16; ++n) i3[pp][n] = (n < 8 ? 0 : 16) + pp * 8 + n % 8;
+  }
+  __m512i u[4][2];  // u[j][k]: rows 4j..4j+3, columns 4k..4k+3
+  for (int64_t j = 0; j < 4; ++j) {
+    for (int k = 0; k < 2; ++k) {
+      u[j][k] = _mm512_permutex2var_epi32(z[2 * j], _mm512_load_si512(i1[k]),
+                                          z[2 * j + 1]);
+    }
+  }
+  __m512i v[2][2][2];  // v[m][k][q]: rows 8m..8m+7, columns 4k + 2q + 0/1
+  for (int64_t m = 0; m < 2; ++m) {
+    for (int k = 0; k < 2; ++k) {
+      for (int q = 0; q < 2; ++q) {
+        v[m][k][q] = _mm512_permutex2var_epi32(
+            u[2 * m][k], _mm512_load_si512(i2[q]), u[2 * m + 1][k]);
+      }
+    }
+  }
+  for (int k = 0; k < 2; ++k) {
+    for (int q = 0; q < 2; ++q) {
+      for (int pp = 0; pp < 2; ++pp) {
+        _mm512_store_si512(
+            out[4 * k + 2 * q + pp],
+            _mm512_permutex2var_epi32(v[0][k][q], _mm512_load_si512(i3[pp]),
+                                      v[1][k][q]));
+      }
+    }
+  }
+}
+
+// acc_out[v * D + d] = sum over every tile's tokens t in [a, b) of
+// weight(v, t) * value(t, d), v < nv: the weights (fp32, lg[v * ln + off +
+// t]) split into bf16 hi + lo parts (hi the nearest bf16, lo the nearest to
+// the rest: 16 bits of mantissa, so the products carry about 2^-17 of
+// relative error where a bf16 weight alone would carry 2^-9), times the
+// bf16 values by TDPBF16PS in fp32. C tiles are 16 dims x 16 virtual heads,
+// A the values of 16 dims x 16 tokens straight from the cache (vLLM layout:
+// a dim's tokens are adjacent), B a token-pair x head tile of the weights.
+// wb: scratch for 256 words per tile; D a multiple of 16.
+KVSTEP_AMX_TARGET void ValuesBf16(const Tile16* tiles, int64_t ntiles,
+                                  int64_t bs, const float* lg, int64_t ln,
+                                  int64_t nv, int64_t D, uint32_t* wb,
+                                  float* acc_out) {
+  // Tiles 0-3: sums of 4 dim groups; 4, 5: weights hi, lo; 6, 7: values.
+  TileConfig cfg;
+  for (int t = 0; t < 4; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  for (int t = 4; t < 6; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 8;
+  }
+  for (int t = 6; t < 8; ++t) {
+    cfg.colsb[t] = 32;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+  const int64_t groups = (nv + 15) / 16, dgs = D / 16;
+  const int64_t vs = bs * 2;  // bytes from a dim's tokens to the next dim's
+  alignas(64) uint16_t masked[16][16];
+  alignas(64) float sums[16][16];
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t k = 0; k < ntiles; ++k) {
+      const Tile16& vt = tiles[k];
+      __m512i hi[8], lo[8];
+      for (int i = 0; i < 8; ++i) {
+        __m512 w[2];
+        for (int e = 0; e < 2; ++e) {
+          const int64_t v = g * 16 + int64_t{2} * i + e;
+          alignas(64) float row[16] = {};
+          const float* src = lg + v * ln + vt.off;
+          if (v >= nv) {
+            w[e] = _mm512_setzero_ps();
+          } else if (vt.a == 0 && vt.b == 16) {
+            w[e] = _mm512_loadu_ps(src);
+          } else {
+            for (int64_t t = vt.a; t < vt.b; ++t) row[t] = src[t];
+            w[e] = _mm512_load_ps(row);
+          }
+        }
+        // Low half: head 2i's 16 tokens (8 pairs); high half: head 2i + 1.
+        const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]);
+        const __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+        const __m512 h1 = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+        hi[i] = h;
+        lo[i] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(w[1], h1),
+                                             _mm512_sub_ps(w[0], h0));
+      }
+      uint32_t* b = wb + k * 256;
+      Transpose16x8(hi, reinterpret_cast<uint32_t(*)[16]>(b));
+      Transpose16x8(lo, reinterpret_cast<uint32_t(*)[16]>(b + 128));
+    }
+    for (int64_t d0 = 0; d0 < dgs; d0 += 4) {
+      const int64_t nd = std::min<int64_t>(4, dgs - d0);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t k = 0; k < ntiles; ++k) {
+        const Tile16& vt = tiles[k];
+        const bool part = vt.a != 0 || vt.b != 16;
+        _tile_loadd(4, wb + k * 256, 64);
+        _tile_loadd(5, wb + k * 256 + 128, 64);
+        for (int64_t d = 0; d < nd; ++d) {
+          // Slots outside [a, b) may be unwritten (NaN): zeroed copies.
+          const uint16_t* src = vt.p + (d0 + d) * 16 * bs;
+          const void* a = src;
+          int64_t stride = vs;
+          if (part) {
+            for (int m = 0; m < 16; ++m) {
+              for (int t = 0; t < 16; ++t) {
+                masked[m][t] = t >= vt.a && t < vt.b ? src[m * bs + t] : 0;
+              }
+            }
+            a = masked;
+            stride = 32;
+          }
+          switch (d) {
+            case 0:
+              _tile_loadd(6, a, stride);
+              _tile_dpbf16ps(0, 6, 4);
+              _tile_dpbf16ps(0, 6, 5);
+              break;
+            case 1:
+              _tile_loadd(7, a, stride);
+              _tile_dpbf16ps(1, 7, 4);
+              _tile_dpbf16ps(1, 7, 5);
+              break;
+            case 2:
+              _tile_loadd(6, a, stride);
+              _tile_dpbf16ps(2, 6, 4);
+              _tile_dpbf16ps(2, 6, 5);
+              break;
+            default:
+              _tile_loadd(7, a, stride);
+              _tile_dpbf16ps(3, 7, 4);
+              _tile_dpbf16ps(3, 7, 5);
+              break;
+          }
+        }
+      }
+      for (int64_t d = 0; d < nd; ++d) {
+        switch (d) {
+          case 0:
+            _tile_stored(0, sums, 64);
+            break;
+          case 1:
+            _tile_stored(1, sums, 64);
+            break;
+          case 2:
+            _tile_stored(2, sums, 64);
+            break;
+          default:
+            _tile_stored(3, sums, 64);
+            break;
+        }
+        // sums[m][n]: dim (d0 + d) * 16 + m, head g * 16 + n.
+        for (int64_t n = 0; n < 16 && g * 16 + n < nv; ++n) {
+          float* o = acc_out + (g * 16 + n) * D + (d0 + d) * 16;
+          for (int m = 0; m < 16; ++m) o[m] = sums[m][n];
         }
       }
     }

@@ -300,7 +300,8 @@ struct Case {
   // they read; the values stay finite either way.
   bool flagged = false;
   int64_t touch_min_bytes = AttentionParams().touch_min_bytes;
-  bool amx = true;  // AttentionParams::amx
+  bool amx = true;   // AttentionParams::amx
+  double scale = 0;  // AttentionParams::scale (0: 1 / sqrt(head_size))
 };
 
 Case Make(CacheLayout layout, DType cache, DType act, int64_t heads,
@@ -408,7 +409,9 @@ void Check(const Case& k) {
     for (int64_t h = 0; h < H; ++h)
       p.alibi_slopes.push_back(std::pow(2.0f, -(h + 1)));
   }
-  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  p.scale = k.scale;
+  const double scale =
+      k.scale > 0 ? k.scale : 1.0 / std::sqrt(static_cast<double>(D));
 
   // The reference, in fp64.
   std::vector<double> ref(T * H * D, 0.0);
@@ -937,11 +940,16 @@ TEST(PagedAttention, PrefillChunksValueTiles) {
       }
     }
   }
+  // The fp32 query's outputs are fp32, checked to 1e-3 + 1e-5 of the value,
+  // and a scale of 2 makes the softmax peaked: weights rounded to bf16 alone
+  // (AMX's values without their lo parts) would miss by about 2^-9 of the
+  // largest weight's value.
   for (auto [hs, act] : {std::pair<int64_t, DType>{64, DType::kBFloat16},
                          {256, DType::kBFloat16},
                          {128, DType::kFloat32}}) {
     Case k = Make(CacheLayout::kVllm, DType::kBFloat16, act, 8, 2);
     k.head_size = hs;
+    k.scale = act == DType::kFloat32 ? 2.0 : 0.0;
     k.prefill_context = 300;
     k.prefill_tokens = 20;
     k.window = 250;
