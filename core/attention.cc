@@ -283,6 +283,9 @@ AttentionParams::Bf16Keys ResolveBf16Keys(AttentionParams::Bf16Keys k) {
 #define KVSTEP_TARGET_POP() KVSTEP_PRAGMA(GCC pop_options)
 #endif
 
+// Whether this CPU and OS run AMX-BF16 (defined below).
+bool AmxUsable();
+
 // AMX for prefill chunks of bf16 caches in the vLLM layout (keys:
 // LogitsBf16, against a bf16 query; values: ValuesBf16). For the keys,
 // TDPBF16PS multiplies 16 virtual heads' query rows (A, bf16,
@@ -295,9 +298,6 @@ AttentionParams::Bf16Keys ResolveBf16Keys(AttentionParams::Bf16Keys k) {
 // (the keys' transpose into B) and 16 tile products. The values need no
 // transpose (a dim's tokens are adjacent, as A wants them); the weights
 // do, 48 permutes per 16 tokens and 16 heads.
-// Whether this CPU and OS run AMX-BF16 (defined below).
-bool AmxUsable();
-
 namespace amx {
 
 #define KVSTEP_AMX_TARGET \
