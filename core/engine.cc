@@ -149,7 +149,8 @@ EngineInfo Engine::Info() const {
   info.num_sessions = static_cast<int64_t>(sessions_.size());
   info.sessions_expired = sessions_expired_;
   info.attention_kernel =
-      absl::StrCat(IsaName(BestIsa()), ", ", PrefetchName(attention_prefetch_));
+      absl::StrCat(IsaName(BestIsa()), ", ", PrefetchName(attention_prefetch_),
+                   AmxSupported() ? ", AMX for bf16 prefill" : "");
   info.stats = StatsLocked();
   return info;
 }

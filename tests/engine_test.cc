@@ -565,6 +565,8 @@ TEST(EngineOptions, AttentionPrefetchIsReportedAndChangesNoResult) {
     EXPECT_THAT((*e)->Info().attention_kernel,
                 HasSubstr(absl::StrCat(IsaName(BestIsa()), ", ",
                                        PrefetchName(resolved))));
+    EXPECT_EQ((*e)->Info().attention_kernel.find("AMX") != std::string::npos,
+              AmxSupported());
     absl::StatusOr<Tensor> out = (*e)->PagedAttentionExplicit(req, rows, slots);
     ASSERT_TRUE(out.ok()) << out.status();
     const auto* b = static_cast<const uint8_t*>(out->raw_data());
