@@ -311,6 +311,25 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// C tile c (0-3) into sums: tile numbers are immediates.
+KVSTEP_AMX_TARGET __attribute__((always_inline)) inline void StoreSums(
+    int64_t c, float (*sums)[16]) {
+  switch (c) {
+    case 0:
+      _tile_stored(0, sums, 64);
+      break;
+    case 1:
+      _tile_stored(1, sums, 64);
+      break;
+    case 2:
+      _tile_stored(2, sums, 64);
+      break;
+    default:
+      _tile_stored(3, sums, 64);
+      break;
+  }
+}
+
 // logits[v * ln + off + t] = scale * (query row v . key t) for every tile's
 // tokens [a, b) and v < nv. qb: the unscaled bf16 query, nv rounded up to
 // 16 rows of D (the extra rows zero); cstride: elements from one key chunk
@@ -382,20 +401,7 @@ KVSTEP_AMX_TARGET void LogitsBf16(const Tile16* tiles, int64_t ntiles,
         }
       }
       for (int64_t g = 0; g < ng; ++g) {
-        switch (g) {
-          case 0:
-            _tile_stored(0, sums, 64);
-            break;
-          case 1:
-            _tile_stored(1, sums, 64);
-            break;
-          case 2:
-            _tile_stored(2, sums, 64);
-            break;
-          default:
-            _tile_stored(3, sums, 64);
-            break;
-        }
+        StoreSums(g, sums);
         const int64_t v0 = (g0 + g) * 16;
         for (int64_t i = 0; i < 16 && v0 + i < nv; ++i) {
           float* row = lg + (v0 + i) * ln + kt.off;
@@ -579,20 +585,7 @@ KVSTEP_AMX_TARGET void ValuesBf16(const Tile16* tiles, int64_t ntiles,
         }
       }
       for (int64_t d = 0; d < nd; ++d) {
-        switch (d) {
-          case 0:
-            _tile_stored(0, sums, 64);
-            break;
-          case 1:
-            _tile_stored(1, sums, 64);
-            break;
-          case 2:
-            _tile_stored(2, sums, 64);
-            break;
-          default:
-            _tile_stored(3, sums, 64);
-            break;
-        }
+        StoreSums(d, sums);
         // sums[m][n]: dim (d0 + d) * 16 + m, head g * 16 + n.
         for (int64_t n = 0; n < 16 && g * 16 + n < nv; ++n) {
           float* o = acc_out + (g * 16 + n) * D + (d0 + d) * 16;
