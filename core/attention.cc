@@ -232,6 +232,10 @@ struct Scratch {
 // internal::ConvertingRedos.
 std::atomic<int64_t> converting_redos{0};
 
+// K and V passes of prefill chunks that ran on AMX, for tests:
+// internal::AmxPasses.
+std::atomic<int64_t> amx_passes{0};
+
 // Whether this CPU's vendor is AMD (or Hygon, whose cores are AMD's Zen):
 // the kernel's choices that were measured to differ by CPU (prefetch hint,
 // bf16 dot products; see AttentionParams) take the Zen 5 ones there.
@@ -286,18 +290,22 @@ AttentionParams::Bf16Keys ResolveBf16Keys(AttentionParams::Bf16Keys k) {
 // Whether this CPU and OS run AMX-BF16 (defined below).
 bool AmxUsable();
 
-// AMX for prefill chunks of bf16 caches in the vLLM layout (keys:
-// LogitsBf16, against a bf16 query; values: ValuesBf16). For the keys,
-// TDPBF16PS multiplies 16 virtual heads' query rows (A, bf16,
-// unscaled) by a 16-token tile's keys (B, in the VNNI order: dim pairs x
-// tokens), 32 dims a step, into 16 x 16 fp32 sums: exact bf16 products and
-// fp32 sums, as VDPBF16PS gives (denormals flushed, which no logit of
-// interest is). A prefill chunk's 64 virtual heads (16 tokens, GQA 4) cost
-// the FMA passes 32 FMAs per 64 bytes of keys and head tile, re-splitting
-// the keys for each of 16 head tiles; here a 4 KB block costs 128 permutes
-// (the keys' transpose into B) and 16 tile products. The values need no
-// transpose (a dim's tokens are adjacent, as A wants them); the weights
-// do, 48 permutes per 16 tokens and 16 heads.
+// AMX for prefill chunks of 16-bit caches in the vLLM layout (Logits,
+// Values). TDPBF16PS multiplies bf16 tiles exactly into fp32 sums (as
+// VDPBF16PS; denormal inputs flushed, which no value of interest is). A
+// number that bf16 does not hold goes in as a sum of bf16 parts, each part
+// against each of the other side's: an fp16 element exactly as two (its 11
+// significant bits as 8 + 3), an fp32 query element exactly as three (8 +
+// 8 + 8, below bf16's normal range aside), an fp32 weight as two (to about
+// 2^-17 of relative error, where a bf16 weight alone would carry 2^-9).
+// Keys: 16 virtual heads' query rows (A) times a 16-token tile's keys (B,
+// in the VNNI order: dim pairs x tokens), 32 dims a step. A prefill
+// chunk's 64 virtual heads (16 tokens, GQA 4) cost the FMA passes 32 FMAs
+// per 64 bytes of keys and head tile, re-splitting the keys for each of 16
+// head tiles; here a bf16 block of 4 KB costs 128 permutes (the keys'
+// transpose into B) and 16 tile products (fp16: 64, and its split).
+// Values need no transpose (a dim's tokens are adjacent, as A wants them);
+// the weights do, 48 permutes per 16 tokens and 16 heads.
 namespace amx {
 
 #define KVSTEP_AMX_TARGET \
@@ -330,25 +338,78 @@ KVSTEP_AMX_TARGET __attribute__((always_inline)) inline void StoreSums(
   }
 }
 
-// logits[v * ln + off + t] = scale * (query row v . key t) for every tile's
-// tokens [a, b) and v < nv. qb: the unscaled bf16 query, nv rounded up to
-// 16 rows of D (the extra rows zero); cstride: elements from one key chunk
-// to the next (8 x the block size); D a multiple of 32, at most 256.
-KVSTEP_AMX_TARGET void LogitsBf16(const Tile16* tiles, int64_t ntiles,
-                                  int64_t cstride, const uint16_t* qb,
-                                  int64_t nv, int64_t D, float scale,
-                                  int64_t ln, float* lg) {
-  // Tiles 0-3: the sums of four groups of 16 heads; 4 and 6: their query
-  // rows (A, two so that one loads while the other multiplies); 5: keys.
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
+// The 16 bf16s of half h (0: low, 1: high) of x, as floats.
+KVSTEP_AMX_TARGET __attribute__((always_inline)) inline __m512 Widen(__m512i x,
+                                                                     int h) {
+  const __m256i half =
+      h == 0 ? _mm512_castsi512_si256(x) : _mm512_extracti64x4_epi64(x, 1);
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// a and b (16 floats each; a in the low half) as bf16 parts: *hi the
+// nearest bf16s, *lo the nearest to what they leave (0 where a or b is not
+// finite, so that those keep their value in hi alone); *a and *b become
+// what hi + lo leaves.
+KVSTEP_AMX_TARGET __attribute__((always_inline)) inline void Split(
+    __m512* a, __m512* b, __m512i* hi, __m512i* lo) {
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  const __mmask16 fa = _mm512_cmp_ps_mask(_mm512_abs_ps(*a), inf, _CMP_LT_OQ);
+  const __mmask16 fb = _mm512_cmp_ps_mask(_mm512_abs_ps(*b), inf, _CMP_LT_OQ);
+  *hi = (__m512i)_mm512_cvtne2ps_pbh(*b, *a);
+  *a = _mm512_maskz_sub_ps(fa, *a, Widen(*hi, 0));
+  *b = _mm512_maskz_sub_ps(fb, *b, Widen(*hi, 1));
+  *lo = (__m512i)_mm512_cvtne2ps_pbh(*b, *a);
+  *a = _mm512_sub_ps(*a, Widen(*lo, 0));
+  *b = _mm512_sub_ps(*b, Widen(*lo, 1));
+}
+
+// 32 fp16s (x) as their exact bf16 hi and lo parts, in the same order.
+KVSTEP_AMX_TARGET __attribute__((always_inline)) inline void SplitHalves(
+    __m512i x, __m512i* hi, __m512i* lo) {
+  __m512 a = _mm512_cvtph_ps(_mm512_castsi512_si256(x));
+  __m512 b = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(x, 1));
+  Split(&a, &b, hi, lo);
+}
+
+// n elements (a multiple of 32) of a query row of dtype dt (bf16, fp16 or
+// fp32) as `parts` rows of bf16 (1, 2 and 3: QueryParts) whose sum is each
+// element: part i at out + i * pstride.
+KVSTEP_AMX_TARGET void SplitQuery(const void* src, DType dt, int64_t n,
+                                  int64_t parts, int64_t pstride,
+                                  uint16_t* out) {
+  if (dt == DType::kBFloat16) {
+    std::memcpy(out, src, n * sizeof(uint16_t));
+    return;
   }
-  _tile_loadconfig(&cfg);
-  const int64_t steps = D / 32, groups = (nv + 15) / 16;
-  alignas(64) uint32_t bt[8][16][16];  // B per step: [dim pair][token]
-  alignas(64) float sums[16][16];
+  for (int64_t j = 0; j < n; j += 32) {
+    __m512 a, b;
+    if (dt == DType::kFloat16) {
+      const uint16_t* h = static_cast<const uint16_t*>(src) + j;
+      a = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+      b = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 16)));
+    } else {
+      const float* f = static_cast<const float*>(src) + j;
+      a = _mm512_loadu_ps(f);
+      b = _mm512_loadu_ps(f + 16);
+    }
+    __m512i hi, lo;
+    Split(&a, &b, &hi, &lo);
+    _mm512_storeu_si512(out + j, hi);
+    if (parts > 1) _mm512_storeu_si512(out + pstride + j, lo);
+    if (parts > 2) {
+      Split(&a, &b, &hi, &lo);
+      _mm512_storeu_si512(out + 2 * pstride + j, hi);
+    }
+  }
+}
+
+// A key chunk's 16 tokens x 8 dims (z: 4 tokens a register) into 4 rows of
+// B: row r, lane n = dims 2r and 2r + 1 of token n.
+KVSTEP_AMX_TARGET __attribute__((always_inline)) inline void KeyRows(
+    const __m512i* z, uint32_t (*rows)[16]) {
   // Stage 1 takes tokens 0-7 (or 8-15) of two 4-token loads: pairs 0 and 1
   // (ia) or 2 and 3 (ib) in lanes 0-7 and 8-15; stage 2 joins the halves.
   const __m512i ia = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13,
@@ -357,47 +418,118 @@ KVSTEP_AMX_TARGET void LogitsBf16(const Tile16* tiles, int64_t ntiles,
   const __m512i jlo =
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
   const __m512i jhi = _mm512_add_epi32(jlo, _mm512_set1_epi32(8));
+  const __m512i a01 = _mm512_permutex2var_epi32(z[0], ia, z[1]);
+  const __m512i b01 = _mm512_permutex2var_epi32(z[0], ib, z[1]);
+  const __m512i a23 = _mm512_permutex2var_epi32(z[2], ia, z[3]);
+  const __m512i b23 = _mm512_permutex2var_epi32(z[2], ib, z[3]);
+  _mm512_store_si512(rows[0], _mm512_permutex2var_epi32(a01, jlo, a23));
+  _mm512_store_si512(rows[1], _mm512_permutex2var_epi32(a01, jhi, a23));
+  _mm512_store_si512(rows[2], _mm512_permutex2var_epi32(b01, jlo, b23));
+  _mm512_store_si512(rows[3], _mm512_permutex2var_epi32(b01, jhi, b23));
+}
+
+// C tiles 0 to ng - 1 += A (ng groups of 16 query rows from q, qs bytes
+// from one row to the next, gs elements from one group to the next) times
+// B tile kB; A alternates between tiles 4 and 6 so that one loads while the
+// other multiplies.
+template <int kB>
+KVSTEP_AMX_TARGET __attribute__((always_inline)) inline void DotGroups(
+    int64_t ng, const uint16_t* q, int64_t qs, int64_t gs) {
+  _tile_loadd(4, q, qs);
+  _tile_dpbf16ps(0, 4, kB);
+  if (ng > 1) {
+    _tile_loadd(6, q + gs, qs);
+    _tile_dpbf16ps(1, 6, kB);
+  }
+  if (ng > 2) {
+    _tile_loadd(4, q + 2 * gs, qs);
+    _tile_dpbf16ps(2, 4, kB);
+  }
+  if (ng > 3) {
+    _tile_loadd(6, q + 3 * gs, qs);
+    _tile_dpbf16ps(3, 6, kB);
+  }
+}
+
+// A key tile's B rows (bt: [key part][step of 32 dims][dim pair][token]):
+// bf16 keys as they are, fp16 as their hi parts, then their lo parts.
+// cstride: elements from one key chunk to the next.
+KVSTEP_AMX_TARGET __attribute__((always_inline)) inline void KeyTiles(
+    const Tile16& kt, int64_t cstride, bool f16, int64_t D,
+    uint32_t (*bt)[8][16][16]) {
+  for (int64_t c = 0; c < D / 8; ++c) {
+    const uint16_t* p = kt.p + c * cstride;
+    __m512i z[4];
+    for (int i = 0; i < 4; ++i) z[i] = _mm512_loadu_si512(p + 32 * i);
+    if (f16) {
+      __m512i lo[4];
+      for (int i = 0; i < 4; ++i) SplitHalves(z[i], &z[i], &lo[i]);
+      KeyRows(lo, &bt[1][c / 4][(c % 4) * 4]);
+    }
+    KeyRows(z, &bt[0][c / 4][(c % 4) * 4]);
+  }
+}
+
+// logits[v * ln + off + t] = scale * (query row v . key t) for every tile's
+// tokens [a, b) and v < nv. qb: the unscaled query as qparts bf16 parts
+// (SplitQuery), each [nv rounded up to 16 rows (the extra ones zero)][D],
+// qpart elements apart; cstride: elements from one key chunk to the next
+// (8 x the block size); f16: the keys are fp16 (else bf16); D a multiple
+// of 32, at most 256.
+KVSTEP_AMX_TARGET void Logits(const Tile16* tiles, int64_t ntiles,
+                              int64_t cstride, bool f16, const uint16_t* qb,
+                              int64_t qparts, int64_t qpart, int64_t nv,
+                              int64_t D, float scale, int64_t ln, float* lg) {
+  // Tiles 0-3: the sums of four groups of 16 heads; 4 and 6: their query
+  // rows (A); 5: keys (B).
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+  const int64_t steps = D / 32, groups = (nv + 15) / 16;
+  const int64_t kparts = f16 ? 2 : 1;
+  // B rows of tiles k (bt[k % 2]) and k + 1: those of k + 1 are built
+  // while k's products run, since a tile load of rows just stored waits for
+  // the stores.
+  alignas(64) uint32_t bt[2][2][8][16][16];
+  alignas(64) float sums[16][16];
+  KeyTiles(tiles[0], cstride, f16, D, bt[0]);
   for (int64_t k = 0; k < ntiles; ++k) {
     const Tile16& kt = tiles[k];
-    for (int64_t c = 0; c < D / 8; ++c) {
-      // A chunk's 16 tokens x 4 dim pairs (32-bit) into 4 rows of B.
-      const uint16_t* p = kt.p + c * cstride;
-      const __m512i z0 = _mm512_loadu_si512(p), z1 = _mm512_loadu_si512(p + 32);
-      const __m512i z2 = _mm512_loadu_si512(p + 64);
-      const __m512i z3 = _mm512_loadu_si512(p + 96);
-      const __m512i a01 = _mm512_permutex2var_epi32(z0, ia, z1);
-      const __m512i b01 = _mm512_permutex2var_epi32(z0, ib, z1);
-      const __m512i a23 = _mm512_permutex2var_epi32(z2, ia, z3);
-      const __m512i b23 = _mm512_permutex2var_epi32(z2, ib, z3);
-      uint32_t(*rows)[16] = &bt[c / 4][(c % 4) * 4];
-      _mm512_store_si512(rows[0], _mm512_permutex2var_epi32(a01, jlo, a23));
-      _mm512_store_si512(rows[1], _mm512_permutex2var_epi32(a01, jhi, a23));
-      _mm512_store_si512(rows[2], _mm512_permutex2var_epi32(b01, jlo, b23));
-      _mm512_store_si512(rows[3], _mm512_permutex2var_epi32(b01, jhi, b23));
-    }
     for (int64_t g0 = 0; g0 < groups; g0 += 4) {
       const int64_t ng = std::min<int64_t>(4, groups - g0);
-      const uint16_t* q = qb + g0 * 16 * D;
-      const int64_t qs = D * 2;  // bytes from one query row to the next
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
+      // B alternates between tiles 5 and 7, as A does in DotGroups.
       for (int64_t s = 0; s < steps; ++s) {
-        _tile_loadd(5, bt[s], 64);
-        _tile_loadd(4, q + s * 32, qs);
-        _tile_dpbf16ps(0, 4, 5);
-        if (ng > 1) {
-          _tile_loadd(6, q + 16 * D + s * 32, qs);
-          _tile_dpbf16ps(1, 6, 5);
+        for (int64_t j = 0; j < kparts; ++j) {
+          const uint16_t* q = qb + g0 * 16 * D + s * 32;
+          if ((s * kparts + j) % 2 == 0) {
+            _tile_loadd(5, bt[k % 2][j][s], 64);
+            for (int64_t i = 0; i < qparts; ++i) {
+              DotGroups<5>(ng, q + i * qpart, D * 2, 16 * D);
+            }
+          } else {
+            _tile_loadd(7, bt[k % 2][j][s], 64);
+            for (int64_t i = 0; i < qparts; ++i) {
+              DotGroups<7>(ng, q + i * qpart, D * 2, 16 * D);
+            }
+          }
         }
-        if (ng > 2) {
-          _tile_loadd(4, q + 32 * D + s * 32, qs);
-          _tile_dpbf16ps(2, 4, 5);
-        }
-        if (ng > 3) {
-          _tile_loadd(6, q + 48 * D + s * 32, qs);
-          _tile_dpbf16ps(3, 6, 5);
+      }
+      if (g0 == 0 && k + 1 < ntiles) {
+        KeyTiles(tiles[k + 1], cstride, f16, D, bt[(k + 1) % 2]);
+        // Tile k + 2's keys into L1 (256 bytes a chunk of 8 dims).
+        if (k + 2 < ntiles) {
+          for (int64_t c = 0; c < D / 8; ++c) {
+            const char* p =
+                reinterpret_cast<const char*>(tiles[k + 2].p + c * cstride);
+            for (int l = 0; l < 256; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
+          }
         }
       }
       for (int64_t g = 0; g < ng; ++g) {
@@ -470,126 +602,218 @@ KVSTEP_AMX_TARGET void Transpose16x8(const __m512i* z, uint32_t (*out)[16]) {
   }
 }
 
+// Head group g's weights for tile vt's tokens as B rows, each [token
+// pair][head] (the VNNI order) of 16 words: their bf16 hi parts, then
+// their lo parts (b[0, 256)), or with `dup` hi, hi, lo, lo (b[0, 512));
+// weights of tokens outside [a, b) and of heads from nv on are 0.
+KVSTEP_AMX_TARGET __attribute__((always_inline)) inline void WeightTiles(
+    const float* lg, int64_t ln, int64_t nv, int64_t g, const Tile16& vt,
+    bool dup, uint32_t* b) {
+  const __mmask16 in =
+      static_cast<__mmask16>(((1u << vt.b) - 1) & ~((1u << vt.a) - 1));
+  __m512i hi[8], lo[8];
+  for (int i = 0; i < 8; ++i) {
+    // Low half: head 2i's 16 tokens (8 pairs); high half: head 2i + 1.
+    __m512 w[2];
+    for (int e = 0; e < 2; ++e) {
+      const int64_t v = g * 16 + int64_t{2} * i + e;
+      w[e] = v < nv ? _mm512_maskz_loadu_ps(in, lg + v * ln + vt.off)
+                    : _mm512_setzero_ps();
+    }
+    Split(&w[0], &w[1], &hi[i], &lo[i]);
+  }
+  auto* rows = reinterpret_cast<uint32_t(*)[16]>(b);
+  Transpose16x8(hi, rows);
+  Transpose16x8(lo, rows + (dup ? 16 : 8));
+  if (dup) {
+    std::memcpy(rows + 8, rows, 8 * 64);
+    std::memcpy(rows + 24, rows + 16, 8 * 64);
+  }
+}
+
+// C tile c (0-3) from sums.
+KVSTEP_AMX_TARGET __attribute__((always_inline)) inline void LoadSums(
+    int64_t c, const float (*sums)[16]) {
+  switch (c) {
+    case 0:
+      _tile_loadd(0, sums, 64);
+      break;
+    case 1:
+      _tile_loadd(1, sums, 64);
+      break;
+    case 2:
+      _tile_loadd(2, sums, 64);
+      break;
+    default:
+      _tile_loadd(3, sums, 64);
+      break;
+  }
+}
+
+// Whether Values must stage tile vt (fp16: split; bf16: part of its 16
+// tokens in range, the rest zeroed) rather than load it from the cache.
+inline bool Staged(const Tile16& vt, bool f16) {
+  return f16 || vt.a != 0 || vt.b != 16;
+}
+
+// Step i of a range of kn tiles (tile i % kn, dims 16 (i / kn) on), if
+// Staged, into a[i % 2] as A rows of 64 bytes: fp16 the values' hi then
+// their lo parts (32 bf16), bf16 the values as they are (16); slots outside
+// [a, b) (which may be unwritten: NaN) zeroed.
+KVSTEP_AMX_TARGET __attribute__((always_inline)) inline void StageValues(
+    const Tile16* range, int64_t kn, int64_t i, int64_t bs, bool f16,
+    uint16_t (*a)[16][32]) {
+  const Tile16& vt = range[i % kn];
+  if (!Staged(vt, f16)) return;
+  const uint16_t* src = vt.p + i / kn * 16 * bs;
+  uint16_t(*rows)[32] = a[i % 2];
+  const __mmask16 in =
+      static_cast<__mmask16>(((1u << vt.b) - 1) & ~((1u << vt.a) - 1));
+  for (int m = 0; m < 16; m += 2) {
+    const __m256i r0 = _mm256_maskz_loadu_epi16(in, src + m * bs);
+    const __m256i r1 = _mm256_maskz_loadu_epi16(in, src + (m + 1) * bs);
+    if (f16) {
+      __m512i hi, lo;
+      SplitHalves(_mm512_inserti64x4(_mm512_castsi256_si512(r0), r1, 1), &hi,
+                  &lo);
+      _mm512_store_si512(rows[m],
+                         _mm512_shuffle_i64x2(hi, lo, _MM_SHUFFLE(1, 0, 1, 0)));
+      _mm512_store_si512(rows[m + 1],
+                         _mm512_shuffle_i64x2(hi, lo, _MM_SHUFFLE(3, 2, 3, 2)));
+    } else {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(rows[m]), r0);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(rows[m + 1]), r1);
+    }
+  }
+}
+
+// C tile c (0-3) += A tile kA x B tile kB.
+template <int kA, int kB>
+KVSTEP_AMX_TARGET __attribute__((always_inline)) inline void Product(
+    int64_t c) {
+  switch (c) {
+    case 0:
+      _tile_dpbf16ps(0, kA, kB);
+      break;
+    case 1:
+      _tile_dpbf16ps(1, kA, kB);
+      break;
+    case 2:
+      _tile_dpbf16ps(2, kA, kB);
+      break;
+    default:
+      _tile_dpbf16ps(3, kA, kB);
+      break;
+  }
+}
+
+// Values' products of one tile of values (A tile kA) and its weights for
+// ng head groups (w: 512 words a group, WeightTiles): B tile 6 the hi
+// parts, 7 the lo parts (at w + lo).
+template <int kA>
+KVSTEP_AMX_TARGET __attribute__((always_inline)) inline void ValueProducts(
+    int64_t ng, int64_t lo, const uint32_t* w) {
+  for (int64_t g = 0; g < ng; ++g, w += 512) {
+    _tile_loadd(6, w, 64);
+    Product<kA, 6>(g);
+    _tile_loadd(7, w + lo, 64);
+    Product<kA, 7>(g);
+  }
+}
+
+// Tiles a range of Values takes at a time: their values (64 KB of bf16 at
+// head size 128) and weights (64 KB for 64 heads, fp16 128) stay in L2
+// while each 16 dims of them are multiplied.
+constexpr int64_t kValueRange = 16;
+
 // acc_out[v * D + d] = sum over every tile's tokens t in [a, b) of
 // weight(v, t) * value(t, d), v < nv: the weights (fp32, lg[v * ln + off +
-// t]) split into bf16 hi + lo parts (hi the nearest bf16, lo the nearest to
-// the rest: 16 bits of mantissa, so the products carry about 2^-17 of
-// relative error where a bf16 weight alone would carry 2^-9), times the
-// bf16 values by TDPBF16PS in fp32. C tiles are 16 dims x 16 virtual heads,
-// A the values of 16 dims x 16 tokens straight from the cache (vLLM layout:
-// a dim's tokens are adjacent), B a token-pair x head tile of the weights.
-// wb: scratch for 256 words per tile; D a multiple of 16.
-KVSTEP_AMX_TARGET void ValuesBf16(const Tile16* tiles, int64_t ntiles,
-                                  int64_t bs, const float* lg, int64_t ln,
-                                  int64_t nv, int64_t D, uint32_t* wb,
-                                  float* acc_out) {
-  // Tiles 0-3: sums of 4 dim groups; 4, 5: weights hi, lo; 6, 7: values.
+// t]) as bf16 hi + lo parts, the values bf16 as they are or fp16 (f16) as
+// their exact hi + lo parts. C tiles are 16 dims x 16 virtual heads, A the
+// values of 16 dims (rows) x 16 tokens, B 16 tokens x 16 heads of the
+// weights (in token pairs), one product for the weights' hi parts and one
+// for their lo parts. bf16 values go in straight from the cache (vLLM
+// layout: a dim's tokens are adjacent). An fp16 A row holds a tile's 16
+// values' hi parts then their lo parts, against B rows of the weights'
+// parts twice: a product takes 32 tokens as quickly as 16 (about 5 ns), so
+// the lo x lo products come for free. Tiles go in ranges of kValueRange,
+// each 16 dims' values read (and split) once for up to 64 heads, the sums
+// carried from range to range in fp32. wb: scratch for 2048 words a tile
+// of a range and 1024 per 16 dims; D a multiple of 16, at most 256.
+KVSTEP_AMX_TARGET void Values(const Tile16* tiles, int64_t ntiles, int64_t bs,
+                              bool f16, const float* lg, int64_t ln, int64_t nv,
+                              int64_t D, uint32_t* wb, float* acc_out) {
+  // Tiles 0-3: sums of 4 head groups; 4, 5: values (alternately, so that
+  // one loads while the other's products run); 6, 7: weights, hi and lo.
   TileConfig cfg;
-  for (int t = 0; t < 4; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  for (int t = 4; t < 6; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 8;
-  }
-  for (int t = 6; t < 8; ++t) {
-    cfg.colsb[t] = 32;
-    cfg.rows[t] = 16;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = t == 4 || t == 5 ? (f16 ? 64 : 32) : 64;
+    cfg.rows[t] = t >= 6 && !f16 ? 8 : 16;
   }
   _tile_loadconfig(&cfg);
-  const int64_t groups = (nv + 15) / 16, dgs = D / 16;
-  const int64_t vs = bs * 2;  // bytes from a dim's tokens to the next dim's
-  alignas(64) uint16_t masked[16][16];
-  alignas(64) float sums[16][16];
-  for (int64_t g = 0; g < groups; ++g) {
-    for (int64_t k = 0; k < ntiles; ++k) {
-      const Tile16& vt = tiles[k];
-      __m512i hi[8], lo[8];
-      for (int i = 0; i < 8; ++i) {
-        __m512 w[2];
-        for (int e = 0; e < 2; ++e) {
-          const int64_t v = g * 16 + int64_t{2} * i + e;
-          alignas(64) float row[16] = {};
-          const float* src = lg + v * ln + vt.off;
-          if (v >= nv) {
-            w[e] = _mm512_setzero_ps();
-          } else if (vt.a == 0 && vt.b == 16) {
-            w[e] = _mm512_loadu_ps(src);
-          } else {
-            for (int64_t t = vt.a; t < vt.b; ++t) row[t] = src[t];
-            w[e] = _mm512_load_ps(row);
+  const int64_t groups = (nv + 15) / 16, lo = f16 ? 256 : 128;
+  // carry[d][g]: the sums of dims d * 16 + m (rows) for heads 16 g + n.
+  auto* carry = reinterpret_cast<float(*)[4][16][16]>(wb + kValueRange * 2048);
+  alignas(64) uint16_t a[2][16][32];
+  for (int64_t g0 = 0; g0 < groups; g0 += 4) {
+    const int64_t ng = std::min<int64_t>(4, groups - g0);
+    for (int64_t k0 = 0; k0 < ntiles; k0 += kValueRange) {
+      const int64_t k1 = std::min(ntiles, k0 + kValueRange);
+      for (int64_t k = k0; k < k1; ++k) {
+        for (int64_t g = 0; g < ng; ++g) {
+          WeightTiles(lg, ln, nv, g0 + g, tiles[k], f16,
+                      wb + ((k - k0) * 4 + g) * 512);
+        }
+      }
+      // The (16 dims, tile) pairs of the range in order, i = d * kn + k -
+      // k0. A staged tile i is staged (a[i % 2]) while the products of
+      // i - 1 run: a tile load of rows just stored waits for the stores.
+      const int64_t kn = k1 - k0, n = D / 16 * kn;
+      StageValues(tiles + k0, kn, 0, bs, f16, a);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t d = i / kn, k = k0 + i % kn;
+        if (k == k0) {
+          for (int64_t g = 0; g < ng; ++g) {
+            if (k0 == 0) std::memset(carry[d][g], 0, sizeof(carry[d][g]));
+            LoadSums(g, carry[d][g]);
           }
         }
-        // Low half: head 2i's 16 tokens (8 pairs); high half: head 2i + 1.
-        const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]);
-        const __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
-        const __m512 h1 = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
-        hi[i] = h;
-        lo[i] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(w[1], h1),
-                                             _mm512_sub_ps(w[0], h0));
-      }
-      uint32_t* b = wb + k * 256;
-      Transpose16x8(hi, reinterpret_cast<uint32_t(*)[16]>(b));
-      Transpose16x8(lo, reinterpret_cast<uint32_t(*)[16]>(b + 128));
-    }
-    for (int64_t d0 = 0; d0 < dgs; d0 += 4) {
-      const int64_t nd = std::min<int64_t>(4, dgs - d0);
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t k = 0; k < ntiles; ++k) {
         const Tile16& vt = tiles[k];
-        const bool part = vt.a != 0 || vt.b != 16;
-        _tile_loadd(4, wb + k * 256, 64);
-        _tile_loadd(5, wb + k * 256 + 128, 64);
-        for (int64_t d = 0; d < nd; ++d) {
-          // Slots outside [a, b) may be unwritten (NaN): zeroed copies.
-          const uint16_t* src = vt.p + (d0 + d) * 16 * bs;
-          const void* a = src;
-          int64_t stride = vs;
-          if (part) {
-            for (int m = 0; m < 16; ++m) {
-              for (int t = 0; t < 16; ++t) {
-                masked[m][t] = t >= vt.a && t < vt.b ? src[m * bs + t] : 0;
-              }
-            }
-            a = masked;
-            stride = 32;
-          }
-          switch (d) {
-            case 0:
-              _tile_loadd(6, a, stride);
-              _tile_dpbf16ps(0, 6, 4);
-              _tile_dpbf16ps(0, 6, 5);
-              break;
-            case 1:
-              _tile_loadd(7, a, stride);
-              _tile_dpbf16ps(1, 7, 4);
-              _tile_dpbf16ps(1, 7, 5);
-              break;
-            case 2:
-              _tile_loadd(6, a, stride);
-              _tile_dpbf16ps(2, 6, 4);
-              _tile_dpbf16ps(2, 6, 5);
-              break;
-            default:
-              _tile_loadd(7, a, stride);
-              _tile_dpbf16ps(3, 7, 4);
-              _tile_dpbf16ps(3, 7, 5);
-              break;
+        const bool staged = Staged(vt, f16);
+        const void* src = staged ? static_cast<const void*>(a[i % 2])
+                                 : static_cast<const void*>(vt.p + d * 16 * bs);
+        const int64_t stride = staged ? 64 : bs * 2;
+        const uint32_t* w = wb + (k - k0) * 2048;
+        if (i % 2 == 0) {
+          _tile_loadd(4, src, stride);
+          ValueProducts<4>(ng, lo, w);
+        } else {
+          _tile_loadd(5, src, stride);
+          ValueProducts<5>(ng, lo, w);
+        }
+        if (i + 1 < n) StageValues(tiles + k0, kn, i + 1, bs, f16, a);
+        // Step i + 2's values into L1: a tile load that misses stalls the
+        // products queued behind it (bf16: 0.96x the time of a prefill
+        // chunk, against 1.04x without).
+        if (i + 2 < n) {
+          const Tile16& next = tiles[k0 + (i + 2) % kn];
+          const char* p =
+              reinterpret_cast<const char*>(next.p + (i + 2) / kn * 16 * bs);
+          for (int64_t l = 0; l < bs * 32; l += 64) {
+            _mm_prefetch(p + l, _MM_HINT_T0);
           }
         }
+        if (k == k1 - 1) {
+          for (int64_t g = 0; g < ng; ++g) StoreSums(g, carry[d][g]);
+        }
       }
-      for (int64_t d = 0; d < nd; ++d) {
-        StoreSums(d, sums);
-        // sums[m][n]: dim (d0 + d) * 16 + m, head g * 16 + n.
-        for (int64_t n = 0; n < 16 && g * 16 + n < nv; ++n) {
-          float* o = acc_out + (g * 16 + n) * D + (d0 + d) * 16;
-          for (int m = 0; m < 16; ++m) o[m] = sums[m][n];
+    }
+    for (int64_t d = 0; d < D / 16; ++d) {
+      for (int64_t g = 0; g < ng; ++g) {
+        // carry[d][g][m][n]: dim d * 16 + m, head (g0 + g) * 16 + n.
+        for (int64_t n = 0; n < 16 && (g0 + g) * 16 + n < nv; ++n) {
+          float* o = acc_out + ((g0 + g) * 16 + n) * D + d * 16;
+          for (int m = 0; m < 16; ++m) o[m] = carry[d][g][m][n];
         }
       }
     }
@@ -1017,6 +1241,8 @@ void ConvertCacheElements(DType dtype, const void* src, int64_t n, float scale,
 
 int64_t ConvertingRedos() { return converting_redos.load(); }
 
+int64_t AmxPasses() { return amx_passes.load(); }
+
 int64_t ClaimSize(int64_t n, int64_t kvh, int64_t threads) {
   return kvstep::ClaimSize(n, kvh, threads);
 }
@@ -1044,6 +1270,20 @@ bool SplitHalvesForTest(const uint16_t* src, int64_t n, float* out) {
   if (IsaSupported(Isa::kAvx512)) return avx512::SplitHalfRow(src, n, out);
 #endif
   std::abort();  // the test checks IsaSupported(kAvx512) first
+}
+
+int64_t AmxQueryPartsForTest(DType dtype, const void* src, int64_t n,
+                             uint16_t* out) {
+  const int64_t parts = dtype == DType::kBFloat16  ? 1
+                        : dtype == DType::kFloat16 ? 2
+                                                   : 3;
+#ifdef KVSTEP_ATTN_X86
+  if (AmxUsable()) {
+    amx::SplitQuery(src, dtype, n, parts, n, out);
+    return parts;
+  }
+#endif
+  std::abort();  // the test checks AmxSupported() first
 }
 }  // namespace internal
 

@@ -158,6 +158,12 @@ void ConvertCacheElements(DType dtype, const void* src, int64_t n, float scale,
 // order and undone (times 2^112): false if its Inf/NaN check fired. Only
 // where IsaSupported(kAvx512).
 bool SplitHalvesForTest(const uint16_t* src, int64_t n, float* out);
+// The AMX passes' split of n query elements (a multiple of 32) of `dtype`
+// into bf16 parts (rows of n at out, part after part; fp16 keys and values
+// are split alike): returns how many (bf16 1, fp16 2, fp32 3). Only where
+// AmxSupported().
+int64_t AmxQueryPartsForTest(DType dtype, const void* src, int64_t n,
+                             uint16_t* out);
 // The softmax's exp (FastExp in attention.cc: x <= 0, 0 at or below -87
 // and for NaN) over n floats (n a multiple of 16) by the vector loop of
 // `isa`'s build (callers check IsaSupported), and the scalar one, for a
@@ -169,6 +175,9 @@ float ScalarExpForTest(float x);
 // conversion since the process started (an Inf or NaN in the cache of a
 // flagged layer, or a query too large for the passes' scaling).
 int64_t ConvertingRedos();
+// How many K or V passes of prefill chunks ran on AMX (AttentionParams::amx)
+// since the process started.
+int64_t AmxPasses();
 // How many consecutive (row, KV head) items of n a thread claims at a time
 // (kvh KV heads a row, `threads` threads); see attention.cc.
 int64_t ClaimSize(int64_t n, int64_t kvh, int64_t threads);

@@ -213,6 +213,55 @@ TEST(FloatConvert, Avx512HalfPairsAreExactAndFlagInfAndNan) {
   }
 }
 
+// The AMX passes take an fp16 element (query, key or value) as two bf16
+// parts and an fp32 query element as three, whose sum is the element
+// exactly: every finite fp16 code, and fp32 values of random mantissas
+// over exponents -90 to 90 (below bf16's normal range a part would be
+// flushed). Inf and NaN stay in the first part, the others 0.
+TEST(FloatConvert, AmxPartsSumToTheElementExactly) {
+  if (!AmxSupported()) {
+    GTEST_SKIP() << "no AMX on this CPU: the split does not run here";
+  }
+  const auto check = [](DType dtype, const void* src, int64_t n,
+                        const std::vector<double>& want) {
+    std::vector<uint16_t> parts(3 * n);
+    const int64_t np =
+        internal::AmxQueryPartsForTest(dtype, src, n, parts.data());
+    ASSERT_EQ(np, dtype == DType::kFloat16 ? 2 : 3);
+    for (int64_t i = 0; i < n; ++i) {
+      double sum = 0;
+      for (int64_t p = 0; p < np; ++p) sum += BF16ToFloat(parts[p * n + i]);
+      if (std::isfinite(want[i])) {
+        ASSERT_EQ(sum, want[i]) << DTypeName(dtype) << " element " << i;
+      } else {
+        const float hi = BF16ToFloat(parts[i]);
+        ASSERT_EQ(std::isnan(hi), std::isnan(want[i])) << i;
+        if (!std::isnan(want[i])) ASSERT_EQ(hi, want[i]) << i;
+        for (int64_t p = 1; p < np; ++p) ASSERT_EQ(parts[p * n + i], 0) << i;
+      }
+    }
+  };
+  std::vector<uint16_t> halves(0x10000);
+  std::vector<double> want(halves.size());
+  for (uint32_t i = 0; i < 0x10000; ++i) {
+    halves[i] = static_cast<uint16_t>(i);
+    want[i] = HalfToFloat(halves[i]);
+  }
+  check(DType::kFloat16, halves.data(), 0x10000, want);
+  std::mt19937_64 rng(7);
+  std::vector<float> floats(4096);
+  want.resize(floats.size());
+  for (size_t i = 0; i < floats.size(); ++i) {
+    const float m = std::uniform_real_distribution<float>(1, 2)(rng);
+    const int e = std::uniform_int_distribution<int>(-90, 90)(rng);
+    floats[i] = std::ldexp(i % 2 ? -m : m, e);
+    want[i] = floats[i];
+  }
+  floats[5] = want[5] = std::numeric_limits<float>::infinity();
+  floats[6] = want[6] = std::nanf("");
+  check(DType::kFloat32, floats.data(), 4096, want);
+}
+
 float Quantize(DType d, float v, float scale) {
   switch (d) {
     case DType::kFloat16:
@@ -697,26 +746,35 @@ TEST(PagedAttention, Fp16InfAndNanInTheCacheAndHugeQueries) {
               }
             }
           }
-          const int64_t before = internal::ConvertingRedos();
+          // The redo is the FMA passes' (amx false); AMX, where a prefill
+          // chunk of the unflagged layer (the huge query) takes it, splits
+          // the query and keys into bf16 parts without scaling.
+          int64_t redone = 0;
           for (auto isa : TestedIsas()) {
-            AttentionParams p;
-            p.isa = isa;
-            Tensor out;
-            ASSERT_TRUE(
-                PagedAttention(*cache, 0, q, rows, p, nullptr, &out).ok());
-            for (int64_t i = 0; i < nq * H * D; ++i) {
-              const double got = out.data<float>()[i];
-              if (!std::isfinite(ref[i])) {
-                EXPECT_FALSE(std::isfinite(got))
-                    << "element " << i << " isa " << IsaName(isa);
-              } else {
-                ASSERT_NEAR(got, ref[i], 1e-3 + 1e-5 * std::fabs(ref[i]))
-                    << "element " << i << " isa " << IsaName(isa);
+            for (bool amx : {false, true}) {
+              AttentionParams p;
+              p.isa = isa;
+              p.amx = amx;
+              const int64_t before = internal::ConvertingRedos();
+              Tensor out;
+              ASSERT_TRUE(
+                  PagedAttention(*cache, 0, q, rows, p, nullptr, &out).ok());
+              if (!amx) redone += internal::ConvertingRedos() - before;
+              for (int64_t i = 0; i < nq * H * D; ++i) {
+                const double got = out.data<float>()[i];
+                if (!std::isfinite(ref[i])) {
+                  EXPECT_FALSE(std::isfinite(got))
+                      << "element " << i << " isa " << IsaName(isa);
+                } else {
+                  ASSERT_NEAR(got, ref[i], 1e-3 + 1e-5 * std::fabs(ref[i]))
+                      << "element " << i << " isa " << IsaName(isa) << " amx "
+                      << amx;
+                }
               }
             }
           }
           if (IsaSupported(AttentionParams::Isa::kAvx512)) {
-            EXPECT_GT(internal::ConvertingRedos(), before);
+            EXPECT_GT(redone, 0);
           }
         }
       }
@@ -900,17 +958,16 @@ TEST(PagedAttention, LongContextsOddGroupsAndShapes) {
 }
 
 // Prefill chunks of 16-bit caches in the vLLM layout (the AVX-512 build's
-// value tiles of 8 virtual heads over ranges of 16 blocks, and for bf16
-// keys against a bf16 query its AMX tiles, where the CPU has AMX-BF16, and
-// without them; the other builds run the same cases): 39 query tokens
-// (chunks of 16, 16 and 7, so tiles that repeat heads, and AMX head groups
-// padded with zero rows) after a context of 600 (38 blocks of 16: three
-// ranges, the last one short and ending mid-block), GQA 4 and 3, block
-// sizes 16 and 32, with and without a window that starts keys mid-block
-// (AMX key tiles of part of 16 tokens); fp16 also on a layer flagged as
-// possibly holding Inf or NaN (the pass by pairs with its check instead).
-// Then bf16 with head sizes 64 and 256 (2 and 8 AMX steps of 32 dims), and
-// a bf16 cache against an fp32 query (no AMX).
+// value tiles of 8 virtual heads over ranges of 16 blocks, and its AMX
+// tiles where the CPU has AMX-BF16, and without them; the other builds run
+// the same cases): 39 query tokens (chunks of 16, 16 and 7, so tiles that
+// repeat heads, and AMX head groups padded to 16) after 600 cached ones
+// (three 16-block ranges), GQA 4 and 3, block sizes 16 and 32, with and
+// without a window that starts keys mid-block (AMX key tiles of part of 16
+// tokens); fp16 also on a layer flagged as possibly holding Inf or NaN (the
+// pass by pairs with its check instead, never AMX). Then bf16 with head
+// sizes 64 and 256 (2 and 8 AMX steps of 32 dims), and fp32 queries
+// against bf16 and fp16 caches (AMX: 3 query parts).
 TEST(PagedAttention, PrefillChunksValueTiles) {
   const Dtypes dtypes[] = {{DType::kBFloat16, DType::kBFloat16},
                            {DType::kFloat16, DType::kFloat16},
@@ -921,8 +978,7 @@ TEST(PagedAttention, PrefillChunksValueTiles) {
         for (int64_t window : {0, 307}) {
           for (bool flagged : {false, true}) {
             for (bool amx : {true, false}) {
-              if (flagged && d.cache != DType::kFloat16) continue;
-              if (!amx && d.cache != DType::kBFloat16) continue;
+              if (flagged && (d.cache != DType::kFloat16 || !amx)) continue;
               Case k = Make(CacheLayout::kVllm, d.cache, d.act, heads, kv);
               k.head_size = 128;
               k.block_size = bs;
@@ -932,8 +988,15 @@ TEST(PagedAttention, PrefillChunksValueTiles) {
               k.flagged = flagged;
               k.amx = amx;
               k.seed = bs * 10 + heads + window;
+              const int64_t before = internal::AmxPasses();
               Check(k);
               if (HasFatalFailure()) return;
+              // Both passes of every chunk of 16 or more virtual heads.
+              if (amx && !flagged && AmxSupported()) {
+                EXPECT_GE(internal::AmxPasses() - before, 6);
+              } else {
+                EXPECT_EQ(internal::AmxPasses(), before);
+              }
             }
           }
         }
@@ -943,18 +1006,23 @@ TEST(PagedAttention, PrefillChunksValueTiles) {
   // The fp32 query's outputs are fp32, checked to 1e-3 + 1e-5 of the value,
   // and a scale of 2 makes the softmax peaked: weights rounded to bf16 alone
   // (AMX's values without their lo parts) would miss by about 2^-9 of the
-  // largest weight's value.
-  for (auto [hs, act] : {std::pair<int64_t, DType>{64, DType::kBFloat16},
-                         {256, DType::kBFloat16},
-                         {128, DType::kFloat32}}) {
-    Case k = Make(CacheLayout::kVllm, DType::kBFloat16, act, 8, 2);
+  // largest weight's value, as would an fp32 query or fp16 keys or values
+  // without theirs.
+  for (auto [hs, cache, act] : {std::tuple<int64_t, DType, DType>{
+                                    64, DType::kBFloat16, DType::kBFloat16},
+                                {256, DType::kBFloat16, DType::kBFloat16},
+                                {128, DType::kBFloat16, DType::kFloat32},
+                                {128, DType::kFloat16, DType::kFloat32}}) {
+    Case k = Make(CacheLayout::kVllm, cache, act, 8, 2);
     k.head_size = hs;
     k.scale = act == DType::kFloat32 ? 2.0 : 0.0;
     k.prefill_context = 300;
     k.prefill_tokens = 20;
     k.window = 250;
+    const int64_t before = internal::AmxPasses();
     Check(k);
     if (HasFatalFailure()) return;
+    if (AmxSupported()) EXPECT_GE(internal::AmxPasses() - before, 4);
   }
 }
 
