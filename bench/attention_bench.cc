@@ -17,10 +17,12 @@
 //       [--prefill=N] [--warm] [--vs=isa=avx2|kernel=v1|kernel=v2|...]
 //       [--pool_mib=N] [--prefetch=auto|nta|t0|t1] [--flush_mib=N]
 //       [--bf16_keys=auto|dot|widen] [--amx=on|off]
+//       [--query=bfloat16|float16|float32]
 // (the filters run one slice of the grid, e.g. under perf). --pool_mib
 // draws the batch's blocks from a pool of at least N MiB, as in a server
 // whose pool is far larger than one batch; by default the pool is the
-// batch's blocks, so small batches read from a small region.
+// batch's blocks, so small batches read from a small region. --query sets
+// the query's dtype (by default the cache's; bf16 for fp8 caches).
 //
 // --vs=FLAG (any of --isa=, --kernel=, --prefetch=, --bf16_keys=, --amx=) times
 // a second configuration call by call against the first, in the same process
@@ -289,6 +291,8 @@ struct Options {
   double seconds = 0.3;
   int64_t kv_heads = 8;  // of 32 query heads
   int64_t prefill = 0;   // query tokens per row; 0: decode (one)
+  // The query's dtype (--query=); kInvalid: the cache's (bf16 for fp8).
+  DType query = DType::kInvalid;
   // The pool's K+V size at least (MiB), the batch's blocks drawn at random
   // from all of it; 0: the batch's blocks only (--pool_mib=).
   int64_t pool_mib = 0;
@@ -404,8 +408,10 @@ Setup MakeSetup(DType dtype, int64_t ctx, int64_t batch, const Options& o) {
   const int64_t nq = o.prefill > 0 ? std::min(o.prefill, ctx) : 1;
   for (int64_t r = 0; r <= batch; ++r) rows.query_start.push_back(r * nq);
   rows.seq_lens.assign(batch, ctx);
-  // fp8 caches are read with bf16 queries (and outputs).
-  const DType act = DTypeSize(dtype) == 1 ? DType::kBFloat16 : dtype;
+  // fp8 caches are read with bf16 queries (and outputs) by default.
+  const DType act = o.query != DType::kInvalid ? o.query
+                    : DTypeSize(dtype) == 1    ? DType::kBFloat16
+                                               : dtype;
   st.q = *Tensor::Zeros(CpuDevice(), act, {batch * nq, 32, 128});
   std::memset(st.q.raw_data(), 0x11, st.q.nbytes());
   st.work = 2.0 * batch * ctx * c.num_kv_heads * c.head_size *
@@ -555,6 +561,16 @@ int main(int argc, char** argv) {
       o.seconds = std::stod(v);
     } else if (const char* v = value("--dtype=")) {
       only_dtype = v;
+    } else if (const char* v = value("--query=")) {
+      const std::string q = v;
+      o.query = q == "float32"    ? DType::kFloat32
+                : q == "float16"  ? DType::kFloat16
+                : q == "bfloat16" ? DType::kBFloat16
+                                  : DType::kInvalid;
+      if (o.query == DType::kInvalid) {
+        std::fprintf(stderr, "--query takes bfloat16, float16 or float32\n");
+        return 2;
+      }
     } else if (const char* v = value("--context=")) {
       only_ctx = std::stoll(v);
     } else if (const char* v = value("--batch=")) {
