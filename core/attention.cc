@@ -218,10 +218,11 @@ struct Tile16 {
 struct Scratch {
   LineVector<float> q;             // [virtual heads][head_size], scaled
   LineVector<float> q2;            // q laid out for the key tiles
-  LineVector<uint16_t> qb;         // bf16 q, unscaled (AVX-512 BF16 keys)
+  LineVector<uint16_t> qb;         // bf16 q (or its AMX parts), unscaled
   LineVector<float> logits;        // [virtual heads][keys, padded to 8]
   LineVector<float> lanes;         // vLLM values: [v][head_size][8 or 16]
-  LineVector<float> weights;       // a partial block's weights, zero-padded
+  LineVector<float> weights;       // a partial block's weights, zero-padded;
+                                   // AMX: weight tiles and carried sums
   LineVector<float> m, s, acc;     // a chunk's results (Partial's outputs)
   std::vector<amx::Tile16> tiles;  // a prefill chunk's, for AMX
 };

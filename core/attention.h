@@ -91,13 +91,16 @@ struct AttentionParams {
   Bf16Keys bf16_keys = Bf16Keys::kAuto;
   // Whether the AVX-512 build may use AMX (AMX-BF16: TDPBF16PS) where the
   // CPU and OS have it (AmxSupported), for prefill chunks (2 or more query
-  // tokens) of bf16 caches in the vLLM layout, block sizes 16 and 32: their
-  // keys against a bf16 query, head sizes that are multiples of 32 (exact
-  // bf16 products, fp32 sums, as kDot), and their values, head sizes that
-  // are multiples of 16 (the fp32 weights as the sum of two bf16 parts,
-  // about 2^-17 of relative error each). 3.2x less time for a 512-token
-  // chunk at context 4096 (docs/attention.md, session 12). false: the FMA
-  // passes (tests, benchmarks).
+  // tokens) of bf16 and fp16 caches in the vLLM layout, block sizes 16 and
+  // 32 (fp16: not on a layer flagged as possibly holding Inf or NaN). Keys,
+  // head sizes that are multiples of 32 up to 256: exact products and fp32
+  // sums (an fp16 key or query element goes in as two bf16 parts, an fp32
+  // query element as three, each part against each). Values, head sizes
+  // that are multiples of 16: fp16 values as two exact parts, the fp32
+  // weights as the sum of two bf16 parts (about 2^-17 of relative error
+  // each). A 512-token chunk at context 4096 took 3.2x less time for bf16
+  // (session 12) and 1.9-2x less for fp16 (session 13; docs/attention.md).
+  // false: the FMA passes (tests, benchmarks).
   bool amx = true;
 };
 

@@ -150,7 +150,7 @@ EngineInfo Engine::Info() const {
   info.sessions_expired = sessions_expired_;
   info.attention_kernel =
       absl::StrCat(IsaName(BestIsa()), ", ", PrefetchName(attention_prefetch_),
-                   AmxSupported() ? ", AMX for bf16 prefill" : "");
+                   AmxSupported() ? ", AMX for 16-bit prefill" : "");
   info.stats = StatsLocked();
   return info;
 }
