@@ -164,7 +164,7 @@ bool SplitHalvesForTest(const uint16_t* src, int64_t n, float* out);
 // The AMX passes' split of n query elements (a multiple of 32) of `dtype`
 // into bf16 parts (rows of n at out, part after part; fp16 keys and values
 // are split alike): returns how many (bf16 1, fp16 2, fp32 3). Only where
-// AmxSupported().
+// IsaSupported(kAvx512): the split needs AVX-512 BF16, not AMX.
 int64_t AmxQueryPartsForTest(DType dtype, const void* src, int64_t n,
                              uint16_t* out);
 // The softmax's exp (FastExp in attention.cc: x <= 0, 0 at or below -87

@@ -219,8 +219,8 @@ TEST(FloatConvert, Avx512HalfPairsAreExactAndFlagInfAndNan) {
 // over exponents -90 to 90 (below bf16's normal range a part would be
 // flushed). Inf and NaN stay in the first part, the others 0.
 TEST(FloatConvert, AmxPartsSumToTheElementExactly) {
-  if (!AmxSupported()) {
-    GTEST_SKIP() << "no AMX on this CPU: the split does not run here";
+  if (!IsaSupported(AttentionParams::Isa::kAvx512)) {
+    GTEST_SKIP() << "no AVX-512 BF16 on this CPU: the split does not run here";
   }
   const auto check = [](DType dtype, const void* src, int64_t n,
                         const std::vector<double>& want) {
