@@ -238,8 +238,8 @@ std::atomic<int64_t> converting_redos{0};
 std::atomic<int64_t> amx_passes{0};
 
 // Whether this CPU's vendor is AMD (or Hygon, whose cores are AMD's Zen):
-// the kernel's choices that were measured to differ by CPU (prefetch hint,
-// bf16 dot products; see AttentionParams) take the Zen 5 ones there.
+// the kernel's choice that was measured to differ by CPU (the prefetch
+// hint; see AttentionParams::prefetch) takes the Zen 5 one there.
 bool AmdVendor() {
 #if defined(__x86_64__) || defined(__i386__)
   static const bool amd = [] {
@@ -265,11 +265,11 @@ AttentionParams::Prefetch ResolvePrefetch(AttentionParams::Prefetch p) {
                      : AttentionParams::Prefetch::kT1;
 }
 
-// How a call multiplies bf16 keys by a bf16 query: kAuto resolved.
+// How a call multiplies bf16 keys by a bf16 query: kAuto resolved, the
+// same on every CPU measured (see AttentionParams::bf16_keys).
 AttentionParams::Bf16Keys ResolveBf16Keys(AttentionParams::Bf16Keys k) {
   if (k != AttentionParams::Bf16Keys::kAuto) return k;
-  return AmdVendor() ? AttentionParams::Bf16Keys::kDot
-                     : AttentionParams::Bf16Keys::kWiden;
+  return AttentionParams::Bf16Keys::kWiden;
 }
 
 // The kernel, once per instruction set (see core/attention_kernel.inc):

@@ -80,13 +80,15 @@ struct AttentionParams {
   Prefetch prefetch = Prefetch::kAuto;
   // How the AVX-512 K pass multiplies bf16 keys by a bf16 query. kDot:
   // VDPBF16PS on the unscaled query (exact products, fp32 sums, the scale
-  // applied to the sums); on Zen 5 9% less time per call than kWiden.
-  // kWiden: the keys split into even and odd dims as exact floats (a shift
-  // and a mask) against the scaled fp32 query, two FMAs per vector; on the
-  // Intel Xeon, whose cores issue a zmm VDPBF16PS every 2 cycles against 2
-  // FMAs a cycle, 13-14% less time warm and 2-5% cold (docs/attention.md,
-  // session 8). kAuto: kDot on AMD (and Hygon) CPUs, kWiden elsewhere.
-  // Other queries and caches are unaffected.
+  // applied to the sums). kWiden: the keys split into even and odd dims as
+  // exact floats (a shift and a mask) against the scaled fp32 query, two
+  // FMAs per vector. kWiden took less time from cold caches, as a server's
+  // layers read K/V, on both CPUs measured: on the Intel Xeon (a zmm
+  // VDPBF16PS issues every 2 cycles against 2 FMAs a cycle) 2-5% less, 13-
+  // 14% warm (session 8); on Zen 5 kDot took 1.01-1.09x kWiden's time cold
+  // in 22 of 24 cases and about equal in the rest, though 2% less warm
+  // (session 14; docs/attention.md). kAuto: kWiden. Other queries and
+  // caches are unaffected.
   enum class Bf16Keys { kAuto, kDot, kWiden };
   Bf16Keys bf16_keys = Bf16Keys::kAuto;
   // Whether the AVX-512 build may use AMX (AMX-BF16: TDPBF16PS) where the

@@ -624,7 +624,7 @@ TEST(PagedAttention, Bf16KeysByDotProductsAndWidened) {
 // The AVX-512 build's 16-lane tiles, both layouts (where the CPU has it;
 // the other builds run the same cases): 16-bit, fp32 and fp8 caches with
 // activations of the same or another dtype (bf16 keys against bf16
-// queries take VDPBF16PS, against fp32 ones the shift-and-mask path),
+// queries both ways, VDPBF16PS and widened; against fp32 ones widened),
 // block sizes whose key tiles are 8 tokens (8, 24) or 16 (16, 32) and
 // whose value sweeps are 16-lane (16, 32) or 8-lane (8, 24), head sizes
 // 128, 80 (five 16-dim chunks: a partial NHD value tile) and 64, and GQA
@@ -652,15 +652,24 @@ TEST(PagedAttention, WideTilesBlockSizesAndActivations) {
           const bool checks = d.cache == DType::kFloat16 ||
                               d.cache == DType::kFp8E4M3 ||
                               d.cache == DType::kFp8E5M2;
+          const bool bf16_dot =
+              d.cache == DType::kBFloat16 && d.act == DType::kBFloat16;
           for (bool flagged : {false, true}) {
             if (flagged && !checks) continue;
-            Case k = Make(layout, d.cache, d.act, heads, kv);
-            k.block_size = bs;
-            k.head_size = hs;
-            k.context = 70;  // several blocks, the last one partial
-            k.flagged = flagged;
-            Check(k);
-            if (HasFatalFailure()) return;
+            for (auto keys : {AttentionParams::Bf16Keys::kWiden,
+                              AttentionParams::Bf16Keys::kDot}) {
+              if (keys == AttentionParams::Bf16Keys::kDot && !bf16_dot) {
+                continue;
+              }
+              Case k = Make(layout, d.cache, d.act, heads, kv);
+              k.block_size = bs;
+              k.head_size = hs;
+              k.context = 70;  // several blocks, the last one partial
+              k.flagged = flagged;
+              k.bf16_keys = keys;
+              Check(k);
+              if (HasFatalFailure()) return;
+            }
           }
         }
       }
