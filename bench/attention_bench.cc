@@ -17,6 +17,7 @@
 //       [--prefill=N] [--warm] [--vs=isa=avx2|kernel=v1|kernel=v2|...]
 //       [--pool_mib=N] [--prefetch=auto|nta|t0|t1] [--flush_mib=N]
 //       [--bf16_keys=auto|dot|widen] [--amx=on|off]
+//       [--touch_min_mib=N] [--touch_min_blocks=N]
 //       [--query=bfloat16|float16|float32]
 // (the filters run one slice of the grid, e.g. under perf). --pool_mib
 // draws the batch's blocks from a pool of at least N MiB, as in a server
@@ -24,16 +25,22 @@
 // batch's blocks, so small batches read from a small region. --query sets
 // the query's dtype (by default the cache's; bf16 for fp8 caches).
 //
-// --vs=FLAG (any of --isa=, --kernel=, --prefetch=, --bf16_keys=, --amx=) times
-// a second configuration call by call against the first, in the same process
-// and on the same cache: A, B, A, B, ... each after its own cache flush. It
-// prints both best times and the median over pairs of B's time / A's, which
-// resolves differences of a few percent that this shared VM's drift (5-10%
-// from run to run) hides between two separate runs.
+// --touch_min_mib and --touch_min_blocks set AttentionParams' slice touch
+// gates (by default this CPU's; 0 and 0 touch every item, a huge
+// --touch_min_mib none).
+//
+// --vs=FLAG (any of --isa=, --kernel=, --prefetch=, --bf16_keys=, --amx=,
+// --touch_min_mib=, --touch_min_blocks=) times a second configuration call by
+// call against the first, in the same process and on the same cache: A, B, A,
+// B, ... each after its own cache flush. It prints both best times and the
+// median over pairs of B's time / A's, which resolves differences of a few
+// percent that this shared VM's drift (5-10% from run to run) hides between two
+// separate runs.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -219,6 +226,16 @@ double FmaPeak(int threads, bool avx512) {
 #endif
 }
 
+// Exits on a call that fails (a flag out of range, a path this CPU lacks):
+// the timed calls repeat the checked one's arguments, and a failing call
+// returns in microseconds, which would pass for a fast kernel.
+void MustRun(const absl::Status& s) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "PagedAttention failed: %s\n", s.ToString().c_str());
+    std::exit(2);
+  }
+}
+
 const char* KernelName(AttentionParams::Kernel k) {
   switch (k) {
     case AttentionParams::Kernel::kSinglePass:
@@ -240,13 +257,19 @@ std::string Describe(const AttentionParams& p) {
           : p.bf16_keys == AttentionParams::Bf16Keys::kWiden ? "widened"
                                                              : "auto") +
          (p.amx && kvstep::AmxSupported()
-              ? ", AMX for bf16 prefill chunks (beyond the FMA peak)"
-              : "");
+              ? ", AMX for 16-bit prefill chunks (beyond the FMA peak)"
+              : "") +
+         ", slice touch " +
+         (p.touch_min_bytes < 0 && p.touch_min_blocks < 0
+              ? std::string("auto")
+              : "from " + std::to_string(p.touch_min_bytes >> 20) +
+                    " MiB calls, " + std::to_string(p.touch_min_blocks) +
+                    "-block items (-1: auto)");
 }
 
-// --isa=..., --kernel=..., --prefetch=..., --bf16_keys=... and --amx=... into
-// *p;
-// false for any other flag.
+// --isa=..., --kernel=..., --prefetch=..., --bf16_keys=..., --amx=...,
+// --touch_min_mib=N and --touch_min_blocks=N into *p; false for any other
+// flag.
 bool ParseParamFlag(const std::string& a, AttentionParams* p) {
   using Isa = AttentionParams::Isa;
   using Kernel = AttentionParams::Kernel;
@@ -272,6 +295,11 @@ bool ParseParamFlag(const std::string& a, AttentionParams* p) {
     p->bf16_keys = AttentionParams::Bf16Keys::kAuto;
   } else if (a == "--amx=on" || a == "--amx=off") {
     p->amx = a == "--amx=on";
+  } else if (a.rfind("--touch_min_mib=", 0) == 0) {
+    const int64_t mib = std::stoll(a.substr(16));  // < 0: auto
+    p->touch_min_bytes = mib < 0 ? -1 : mib << 20;
+  } else if (a.rfind("--touch_min_blocks=", 0) == 0) {
+    p->touch_min_blocks = std::stoll(a.substr(19));
   } else {
     return false;
   }
@@ -434,7 +462,7 @@ Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
   ThreadPool pool(threads);
   const AttentionParams& p = o.params;
   Tensor out;
-  (void)PagedAttention(*cache, 0, q, rows, p, &pool, &out);  // warm
+  MustRun(PagedAttention(*cache, 0, q, rows, p, &pool, &out));  // warm
   // Rounds of one read pass (at the same thread count) and then kernel
   // calls for about as long, so that the two see the same moments of this
   // shared VM: a neighbour moves both by 25% or more within seconds.
@@ -478,8 +506,8 @@ AbResult MeasureAb(DType dtype, int64_t ctx, int64_t batch, int threads,
   Setup st = MakeSetup(dtype, ctx, batch, o);
   ThreadPool pool(threads);
   Tensor out;
-  (void)PagedAttention(*st.cache, 0, st.q, st.rows, o.params, &pool, &out);
-  (void)PagedAttention(*st.cache, 0, st.q, st.rows, o.vs, &pool, &out);
+  MustRun(PagedAttention(*st.cache, 0, st.q, st.rows, o.params, &pool, &out));
+  MustRun(PagedAttention(*st.cache, 0, st.q, st.rows, o.vs, &pool, &out));
   auto call = [&](const AttentionParams& p) {
     if (o.cold) flusher->Flush(*st.cache, st.rows);
     const double t = Now();
@@ -588,8 +616,9 @@ int main(int argc, char** argv) {
     o.vs = o.params;
     if (!kvstep::ParseParamFlag(vs_flag, &o.vs)) {
       std::fprintf(stderr,
-                   "--vs takes isa=..., kernel=..., prefetch=... or "
-                   "bf16_keys=..., not %s\n",
+                   "--vs takes isa=..., kernel=..., prefetch=..., "
+                   "bf16_keys=..., amx=..., touch_min_mib=... or "
+                   "touch_min_blocks=..., not %s\n",
                    vs_flag.c_str() + 2);
       return 2;
     }

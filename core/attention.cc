@@ -238,8 +238,9 @@ std::atomic<int64_t> converting_redos{0};
 std::atomic<int64_t> amx_passes{0};
 
 // Whether this CPU's vendor is AMD (or Hygon, whose cores are AMD's Zen):
-// the kernel's choice that was measured to differ by CPU (the prefetch
-// hint; see AttentionParams::prefetch) takes the Zen 5 one there.
+// the kernel's choices that were measured to differ by CPU (the prefetch
+// hint and the slice touch; see AttentionParams) take the Zen 5 ones
+// there.
 bool AmdVendor() {
 #if defined(__x86_64__) || defined(__i386__)
   static const bool amd = [] {
@@ -263,6 +264,17 @@ AttentionParams::Prefetch ResolvePrefetch(AttentionParams::Prefetch p) {
   if (p != AttentionParams::Prefetch::kAuto) return p;
   return AmdVendor() ? AttentionParams::Prefetch::kNta
                      : AttentionParams::Prefetch::kT1;
+}
+
+// The slice touch's gates (AttentionParams::touch_min_bytes and
+// touch_min_blocks), -1 resolved for this CPU.
+int64_t ResolveTouchMinBytes(int64_t bytes) {
+  if (bytes >= 0) return bytes;
+  return AmdVendor() ? 0 : int64_t{512} << 20;
+}
+int64_t ResolveTouchMinBlocks(int64_t blocks) {
+  if (blocks >= 0) return blocks;
+  return AmdVendor() ? 0 : 512;
 }
 
 // How a call multiplies bf16 keys by a bf16 query: kAuto resolved, the
@@ -1369,8 +1381,10 @@ absl::Status ValidateAttention(const CacheConfig& c, const Tensor& query,
   if (p.parallel_min_bytes < 0) {
     return absl::InvalidArgumentError("parallel_min_bytes must be >= 0");
   }
-  if (p.touch_min_bytes < 0) {
-    return absl::InvalidArgumentError("touch_min_bytes must be >= 0");
+  if (p.touch_min_bytes < -1 || p.touch_min_blocks < -1) {
+    return absl::InvalidArgumentError(
+        "touch_min_bytes and touch_min_blocks must be >= 0, or -1 for this "
+        "CPU's default");
   }
   return absl::OkStatus();
 }

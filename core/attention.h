@@ -51,11 +51,19 @@ struct AttentionParams {
   // woken thread cost more than it saved (docs/attention.md). 0: always
   // use the pool (tests of the threaded paths).
   int64_t parallel_min_bytes = int64_t{4} << 20;
-  // In calls that read at least this much K/V (bytes), items over 512
-  // blocks first prefetch one line of each of their slices, all at once:
-  // measured faster only there (docs/attention.md, session 10). 0: in
-  // every call (tests).
-  int64_t touch_min_bytes = int64_t{512} << 20;
+  // The slice touch (vLLM layout, 16- and 32-bit caches): an item of at
+  // least touch_min_blocks blocks, in a call that reads at least
+  // touch_min_bytes of K/V, first prefetches one line of each of its key
+  // and value slices, all at once. It changes no result. -1 (the default):
+  // this CPU's measured choice. On AMD (and Hygon) CPUs every item of
+  // every call (0 and 0): on Zen 5, call by call, calls of 256 MiB and
+  // more took 0.85-0.95x the time of no touch for bf16 and fp16 and 0.92-
+  // 0.98x for fp32, calls of 4-64 MiB 0.94-1.02x, within noise (session
+  // 14). Elsewhere 512 MiB and 512 blocks: on the Intel Xeon
+  // 0.94-0.98x the time there, but 1.04x for items of 64-128 blocks
+  // (session 10; docs/attention.md). 0 and 0: always (tests).
+  int64_t touch_min_bytes = -1;
+  int64_t touch_min_blocks = -1;
   // kBest runs the widest kernel this CPU has: AVX-512 (F, BW, VL, DQ and
   // BF16, as on Zen 4/5 and Sapphire Rapids), else AVX2+FMA+F16C, else
   // portable x86-64. The others force one, for tests and benchmarks of that

@@ -349,6 +349,7 @@ struct Case {
   // they read; the values stay finite either way.
   bool flagged = false;
   int64_t touch_min_bytes = AttentionParams().touch_min_bytes;
+  int64_t touch_min_blocks = AttentionParams().touch_min_blocks;
   bool amx = true;   // AttentionParams::amx
   double scale = 0;  // AttentionParams::scale (0: 1 / sqrt(head_size))
 };
@@ -451,6 +452,7 @@ void Check(const Case& k) {
   p.v_scale = vscale;
   p.sliding_window = k.window;
   p.touch_min_bytes = k.touch_min_bytes;
+  p.touch_min_blocks = k.touch_min_blocks;
   p.prefetch = k.prefetch;
   p.bf16_keys = k.bf16_keys;
   p.amx = k.amx;
@@ -928,9 +930,9 @@ TEST(PagedAttention, LongContextsOddGroupsAndShapes) {
       Check(k);
       if (HasFatalFailure()) return;
     }
-    // 526 blocks of 8: items over 512 blocks first touch their slices
-    // (Partial), here in a small call too; with a window of 4150 the keys
-    // start mid-block.
+    // 526 blocks of 8: items over 512 blocks touch their slices first
+    // (Partial) with every CPU's default item gate, here in a small call
+    // too; with a window of 4150 the keys start mid-block.
     for (int64_t window : {0, 4150}) {
       Case k = Make(layout, DType::kBFloat16, DType::kBFloat16, 8, 2);
       k.block_size = 8;
@@ -940,13 +942,18 @@ TEST(PagedAttention, LongContextsOddGroupsAndShapes) {
       Check(k);
       if (HasFatalFailure()) return;
     }
-    for (int64_t window : {0, 37}) {  // 37: keys start mid-block
-      Case k = Make(layout, DType::kBFloat16, DType::kBFloat16, 8, 2);
-      k.context = 300;
-      k.window = window;
-      k.alibi = window > 0;
-      Check(k);
-      if (HasFatalFailure()) return;
+    // 37: keys start mid-block; the short items also with the slice touch
+    // forced on, which this CPU's default may leave off.
+    for (int64_t window : {0, 37}) {
+      for (int64_t touch : {int64_t{-1}, int64_t{0}}) {
+        Case k = Make(layout, DType::kBFloat16, DType::kBFloat16, 8, 2);
+        k.context = 300;
+        k.window = window;
+        k.alibi = window > 0;
+        k.touch_min_bytes = k.touch_min_blocks = touch;
+        Check(k);
+        if (HasFatalFailure()) return;
+      }
     }
     for (int64_t bs : {24, 48}) {
       Case k = Make(layout, DType::kFloat32, DType::kFloat32, 3, 1);
@@ -1232,11 +1239,18 @@ TEST(PagedAttention, ValidationNamesTheRow) {
   s = PagedAttention(*cache, 0, q, rows, p, nullptr, &out);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(s.message()), HasSubstr("parallel_min_bytes"));
-  p = {};
-  p.touch_min_bytes = -1;
-  s = PagedAttention(*cache, 0, q, rows, p, nullptr, &out);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(s.message()), HasSubstr("touch_min_bytes"));
+  for (int64_t bad : {int64_t{-2}, std::numeric_limits<int64_t>::min()}) {
+    p = {};
+    p.touch_min_bytes = bad;
+    s = PagedAttention(*cache, 0, q, rows, p, nullptr, &out);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(s.message()), HasSubstr("touch_min_bytes"));
+    p = {};
+    p.touch_min_blocks = bad;
+    s = PagedAttention(*cache, 0, q, rows, p, nullptr, &out);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(s.message()), HasSubstr("touch_min_blocks"));
+  }
 }
 
 }  // namespace
