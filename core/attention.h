@@ -94,9 +94,10 @@ struct AttentionParams {
   // layers read K/V, on both CPUs measured: on the Intel Xeon (a zmm
   // VDPBF16PS issues every 2 cycles against 2 FMAs a cycle) 2-5% less, 13-
   // 14% warm (session 8); on Zen 5 kDot took 1.01-1.09x kWiden's time cold
-  // in 22 of 24 cases and about equal in the rest, though 2% less warm
-  // (session 14; docs/attention.md). kAuto: kWiden. Other queries and
-  // caches are unaffected.
+  // in 19 of 24 cases and 0.975-1.009x in the largest calls (context 8192
+  // at batch 16, 4096 at 64), though 2% less warm (session 14;
+  // docs/attention.md). kAuto: kWiden. Other queries and caches are
+  // unaffected.
   enum class Bf16Keys { kAuto, kDot, kWiden };
   Bf16Keys bf16_keys = Bf16Keys::kAuto;
   // Whether the AVX-512 build may use AMX (AMX-BF16: TDPBF16PS) where the
