@@ -473,7 +473,7 @@ KVSTEP_AMX_TARGET __attribute__((always_inline)) inline void KeyTiles(
   for (int64_t c = 0; c < D / 8; ++c) {
     const uint16_t* p = kt.p + c * cstride;
     __m512i z[4];
-    for (int i = 0; i < 4; ++i) z[i] = _mm512_loadu_si512(p + 32 * i);
+    for (int64_t i = 0; i < 4; ++i) z[i] = _mm512_loadu_si512(p + 32 * i);
     if (f16) {
       __m512i lo[4];
       for (int i = 0; i < 4; ++i) SplitHalves(z[i], &z[i], &lo[i]);
@@ -639,8 +639,8 @@ KVSTEP_AMX_TARGET __attribute__((always_inline)) inline void WeightTiles(
   Transpose16x8(hi, rows);
   Transpose16x8(lo, rows + (dup ? 16 : 8));
   if (dup) {
-    std::memcpy(rows + 8, rows, 8 * 64);
-    std::memcpy(rows + 24, rows + 16, 8 * 64);
+    std::memcpy(rows + 8, rows, 8 * sizeof(rows[0]));
+    std::memcpy(rows + 24, rows + 16, 8 * sizeof(rows[0]));
   }
 }
 
