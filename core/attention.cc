@@ -203,14 +203,24 @@ using LineVector = std::vector<T, LineAllocator<T>>;
 namespace amx {
 
 // 16 consecutive tokens of a block for the AMX passes (below): p, their
-// keys (amx::LogitsBf16: where chunk 0's rows start, chunks of 8 dims x the
-// block's tokens) or values (amx::ValuesBf16: token 0 of dim 0, dims of
-// the block's tokens); the tokens [a, b) of the 16 that are in range, whose
+// keys (amx::Logits: where chunk 0's rows start, chunks of 8 dims x the
+// block's tokens) or values (amx::Values: token 0 of dim 0, dims of the
+// block's tokens); the tokens [a, b) of the 16 that are in range, whose
 // logits (and weights) are at row offset off + t.
 struct Tile16 {
   const uint16_t* p;
   int64_t off, a, b;
+  // Bit t set for the tokens t in [a, b).
+  uint16_t InRange() const {
+    return static_cast<uint16_t>(((1u << b) - 1) & ~((1u << a) - 1));
+  }
 };
+
+// How many bf16 parts the AMX passes split a query element of dtype dt
+// into, whose sum is the element exactly: bf16 1, fp16 2, fp32 3.
+inline int64_t QueryParts(DType dt) {
+  return dt == DType::kBFloat16 ? 1 : dt == DType::kFloat16 ? 2 : 3;
+}
 
 }  // namespace amx
 
@@ -622,8 +632,7 @@ KVSTEP_AMX_TARGET void Transpose16x8(const __m512i* z, uint32_t (*out)[16]) {
 KVSTEP_AMX_TARGET __attribute__((always_inline)) inline void WeightTiles(
     const float* lg, int64_t ln, int64_t nv, int64_t g, const Tile16& vt,
     bool dup, uint32_t* b) {
-  const __mmask16 in =
-      static_cast<__mmask16>(((1u << vt.b) - 1) & ~((1u << vt.a) - 1));
+  const __mmask16 in = vt.InRange();
   __m512i hi[8], lo[8];
   for (int i = 0; i < 8; ++i) {
     // Low half: head 2i's 16 tokens (8 pairs); high half: head 2i + 1.
@@ -680,8 +689,7 @@ KVSTEP_AMX_TARGET __attribute__((always_inline)) inline void StageValues(
   if (!Staged(vt, f16)) return;
   const uint16_t* src = vt.p + i / kn * 16 * bs;
   uint16_t(*rows)[32] = a[i % 2];
-  const __mmask16 in =
-      static_cast<__mmask16>(((1u << vt.b) - 1) & ~((1u << vt.a) - 1));
+  const __mmask16 in = vt.InRange();
   for (int m = 0; m < 16; m += 2) {
     const __m256i r0 = _mm256_maskz_loadu_epi16(in, src + m * bs);
     const __m256i r1 = _mm256_maskz_loadu_epi16(in, src + (m + 1) * bs);
@@ -1287,9 +1295,7 @@ bool SplitHalvesForTest(const uint16_t* src, int64_t n, float* out) {
 
 int64_t AmxQueryPartsForTest(DType dtype, const void* src, int64_t n,
                              uint16_t* out) {
-  const int64_t parts = dtype == DType::kBFloat16  ? 1
-                        : dtype == DType::kFloat16 ? 2
-                                                   : 3;
+  const int64_t parts = amx::QueryParts(dtype);
 #ifdef KVSTEP_ATTN_X86
   // The split takes AVX-512 BF16 (VCVTNE2PS2BF16), not the tiles, so it is
   // checked on every CPU the AVX-512 build runs on, AMX or not.
