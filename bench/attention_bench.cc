@@ -17,7 +17,8 @@
 //       [--prefill=N] [--warm] [--vs=isa=avx2|kernel=v1|kernel=v2|...]
 //       [--pool_mib=N] [--prefetch=auto|nta|t0|t1] [--flush_mib=N]
 //       [--bf16_keys=auto|dot|widen] [--amx=on|off]
-//       [--touch_min_mib=N] [--touch_min_blocks=N]
+//       [--touch_min_mib=N] [--touch_min_blocks=N] [--pool_poll_us=N]
+//       [--pool_idle_poll_us=N]
 //       [--query=bfloat16|float16|float32]
 // (the filters run one slice of the grid, e.g. under perf). --pool_mib
 // draws the batch's blocks from a pool of at least N MiB, as in a server
@@ -29,13 +30,21 @@
 // gates (by default this CPU's; 0 and 0 touch every item, a huge
 // --touch_min_mib none).
 //
+// --pool_poll_us sets how long the calling thread polls for the pool's
+// worker to finish before it sleeps (ThreadPool::set_finish_poll; by
+// default kDefaultFinishPoll, 0 sleeps at once), --pool_idle_poll_us how
+// long the worker polls for the next call (set_idle_poll; by default
+// kDefaultIdlePoll). Between two cold calls the caller flushes for a few
+// ms, which an idle poll shorter than that does not bridge.
+//
 // --vs=FLAG (any of --isa=, --kernel=, --prefetch=, --bf16_keys=, --amx=,
-// --touch_min_mib=, --touch_min_blocks=) times a second configuration call by
-// call against the first, in the same process and on the same cache: A, B, A,
-// B, ... each after its own cache flush. It prints both best times and the
-// median over pairs of B's time / A's, which resolves differences of a few
-// percent that this shared VM's drift (5-10% from run to run) hides between two
-// separate runs.
+// --touch_min_mib=, --touch_min_blocks=, --pool_poll_us=,
+// --pool_idle_poll_us=) times a second
+// configuration call by call against the first, in the same process and on the
+// same cache: A, B, A, B, ... each after its own cache flush. It prints both
+// best times and the median over pairs of B's time / A's, which resolves
+// differences of a few percent that this shared VM's drift (5-10% from run to
+// run) hides between two separate runs.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -331,6 +340,21 @@ struct Options {
   bool cold = true;
   bool ab = false;  // --vs: time `vs` against `params` call by call
   AttentionParams vs;
+  // The pool's polls (ThreadPool::set_finish_poll, set_idle_poll), for
+  // `params` and for `vs`.
+  struct Polls {
+    std::chrono::microseconds finish = ThreadPool::kDefaultFinishPoll;
+    std::chrono::microseconds idle = ThreadPool::kDefaultIdlePoll;
+    void Apply(ThreadPool* pool) const {
+      pool->set_finish_poll(finish);
+      pool->set_idle_poll(idle);
+    }
+    std::string Describe() const {
+      return "pool polls " + std::to_string(finish.count()) + " us (finish), " +
+             std::to_string(idle.count()) + " us (idle)";
+    }
+  };
+  Polls polls, vs_polls;
 };
 
 // Bytes of one interleaved read pass: large against the caches, and about
@@ -460,6 +484,7 @@ Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
   const Tensor& q = st.q;
   const double work = st.work;
   ThreadPool pool(threads);
+  o.polls.Apply(&pool);
   const AttentionParams& p = o.params;
   Tensor out;
   MustRun(PagedAttention(*cache, 0, q, rows, p, &pool, &out));  // warm
@@ -493,6 +518,27 @@ Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
           read};
 }
 
+// --pool_poll_us=N or --pool_idle_poll_us=N (N >= 0) into *polls; false
+// for any other flag. A bad N ends the run.
+bool ParsePollFlag(const std::string& a, Options::Polls* polls) {
+  for (const auto& [flag, field] :
+       {std::pair<std::string, std::chrono::microseconds*>{"--pool_poll_us=",
+                                                           &polls->finish},
+        {"--pool_idle_poll_us=", &polls->idle}}) {
+    if (a.compare(0, flag.size(), flag) != 0) continue;
+    char* end = nullptr;
+    const long long us = std::strtoll(a.c_str() + flag.size(), &end, 10);
+    if (end == a.c_str() + flag.size() || *end != '\0' || us < 0) {
+      std::fprintf(stderr, "%s takes a whole number of us >= 0\n",
+                   flag.c_str());
+      std::exit(2);
+    }
+    *field = std::chrono::microseconds(us);
+    return true;
+  }
+  return false;
+}
+
 struct AbResult {
   double best_a_us, best_b_us;
   double median_ratio;  // over pairs (A, B) called back to back: B / A
@@ -508,7 +554,13 @@ AbResult MeasureAb(DType dtype, int64_t ctx, int64_t batch, int threads,
   Tensor out;
   MustRun(PagedAttention(*st.cache, 0, st.q, st.rows, o.params, &pool, &out));
   MustRun(PagedAttention(*st.cache, 0, st.q, st.rows, o.vs, &pool, &out));
-  auto call = [&](const AttentionParams& p) {
+  // Each call's polls are set before its flush, and an empty job follows,
+  // so that the worker ends a job under them: its idle poll decides whether
+  // it is still polling or asleep when the call starts, as if the calls
+  // before it had had the same polls.
+  auto call = [&](const AttentionParams& p, const Options::Polls& polls) {
+    polls.Apply(&pool);
+    pool.ParallelFor(pool.num_threads(), [](int64_t) {});
     if (o.cold) flusher->Flush(*st.cache, st.rows);
     const double t = Now();
     (void)PagedAttention(*st.cache, 0, st.q, st.rows, p, &pool, &out);
@@ -521,9 +573,9 @@ AbResult MeasureAb(DType dtype, int64_t ctx, int64_t batch, int threads,
     // Which one goes first alternates too, so that neither always follows
     // the flush's or the other call's cache state.
     const bool a_first = ratios.size() % 2 == 0;
-    const double ta = a_first ? call(o.params) : 0;
-    const double tb = call(o.vs);
-    const double ta2 = a_first ? ta : call(o.params);
+    const double ta = a_first ? call(o.params, o.polls) : 0;
+    const double tb = call(o.vs, o.vs_polls);
+    const double ta2 = a_first ? ta : call(o.params, o.polls);
     best_a = std::min(best_a, ta2);
     best_b = std::min(best_b, tb);
     ratios.push_back(tb / ta2);
@@ -555,6 +607,7 @@ int main(int argc, char** argv) {
     } else if (a == "--no_baseline") {
       baseline = false;
     } else if (kvstep::ParseParamFlag(a, &o.params)) {
+    } else if (kvstep::ParsePollFlag(a, &o.polls)) {
     } else if (const char* v = value("--vs=")) {
       vs_flag = std::string("--") + v;
     } else if (a == "--layout=nhd") {
@@ -614,11 +667,14 @@ int main(int argc, char** argv) {
   if (!vs_flag.empty()) {
     o.ab = true;
     o.vs = o.params;
-    if (!kvstep::ParseParamFlag(vs_flag, &o.vs)) {
+    o.vs_polls = o.polls;
+    if (!kvstep::ParsePollFlag(vs_flag, &o.vs_polls) &&
+        !kvstep::ParseParamFlag(vs_flag, &o.vs)) {
       std::fprintf(stderr,
                    "--vs takes isa=..., kernel=..., prefetch=..., "
-                   "bf16_keys=..., amx=..., touch_min_mib=... or "
-                   "touch_min_blocks=..., not %s\n",
+                   "bf16_keys=..., amx=..., touch_min_mib=..., "
+                   "touch_min_blocks=..., pool_poll_us=... or "
+                   "pool_idle_poll_us=..., not %s\n",
                    vs_flag.c_str() + 2);
       return 2;
     }
@@ -653,10 +709,11 @@ int main(int argc, char** argv) {
         read1, read2, bw.Copy());
   }
   std::printf(
-      "layout %s, %s; 32 query heads over %ld KV heads, head 128, block 16, "
-      "random block tables; ",
+      "layout %s, %s, %s; 32 query heads over %ld KV heads, head 128, block "
+      "16, random block tables; ",
       o.layout == kvstep::CacheLayout::kVllm ? "vllm" : "nhd",
-      kvstep::Describe(o.params).c_str(), static_cast<long>(o.kv_heads));
+      kvstep::Describe(o.params).c_str(), o.polls.Describe().c_str(),
+      static_cast<long>(o.kv_heads));
   if (o.cold && flusher.lines()) {
     std::printf(
         "cold caches (before each call, untimed: the case's K/V lines "
@@ -678,9 +735,10 @@ int main(int argc, char** argv) {
   }
   if (o.ab) {
     std::printf(
-        "A/B: A = %s; B = %s; called alternately; \"B/A\" is the median over "
-        "pairs of B's time / A's\n",
-        kvstep::Describe(o.params).c_str(), kvstep::Describe(o.vs).c_str());
+        "A/B: A = %s, %s; B = %s, %s; called alternately; \"B/A\" is the "
+        "median over pairs of B's time / A's\n",
+        kvstep::Describe(o.params).c_str(), o.polls.Describe().c_str(),
+        kvstep::Describe(o.vs).c_str(), o.vs_polls.Describe().c_str());
     std::printf("%-9s %7s %6s %8s %10s %10s %7s %6s\n", "dtype", "context",
                 "batch", "threads", "A best us", "B best us", "B/A", "pairs");
   } else {

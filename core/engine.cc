@@ -1,6 +1,7 @@
 #include "core/engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <limits>
 #include <thread>
@@ -75,6 +76,12 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
   if (options.limits.max_sessions < 0) {
     return absl::InvalidArgumentError("max_sessions must be >= 0");
   }
+  if (options.attention_idle_poll_us < -1 ||
+      options.attention_idle_poll_us > 1000000) {
+    return absl::InvalidArgumentError(
+        "attention_idle_poll_us must be in [-1, 1000000] (us; -1: the "
+        "default)");
+  }
   if (options.max_session_ttl < kMinSessionTtl ||
       options.default_session_ttl < kMinSessionTtl ||
       options.default_session_ttl > options.max_session_ttl) {
@@ -133,7 +140,12 @@ Engine::Engine(const EngineOptions& options, std::unique_ptr<KvCache> cache,
                                 options.num_host_blocks, options.block_order)
                           : nullptr),
       seqs_(&allocator_, host_allocator_.get(), options.cache.block_size,
-            options.limits.max_seq_len, options.limits.max_sequences) {}
+            options.limits.max_seq_len, options.limits.max_sequences) {
+  if (options.attention_idle_poll_us >= 0) {
+    pool_->set_idle_poll(
+        std::chrono::microseconds(options.attention_idle_poll_us));
+  }
+}
 
 EngineInfo Engine::Info() const {
   MutexLock lock(&mu_);

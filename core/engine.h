@@ -72,6 +72,11 @@ struct EngineOptions {
   size_t event_log_capacity = 65536;
   // Threads for attention, the calling thread included (0: one per core).
   int attention_threads = 0;
+  // How long an attention worker polls for the next call before it sleeps
+  // (ThreadPool::set_idle_poll; -1: ThreadPool::kDefaultIdlePoll, 0:
+  // sleep at once). Polling burns the worker's core between calls that
+  // come this close together, for calls that start on every thread.
+  int64_t attention_idle_poll_us = -1;
   // The attention kernel's prefetch hint for every PagedAttention call
   // (AttentionParams::prefetch; kAuto chooses by CPU vendor). A setting of
   // the machine, not of a request: the protocol does not carry it.

@@ -1,10 +1,28 @@
 #include "core/thread_pool.h"
 
+#include <algorithm>
 #include <chrono>
 
-namespace kvstep {
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
-ThreadPool::ThreadPool(int num_threads) {
+namespace kvstep {
+namespace {
+
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+}  // namespace
+
+ThreadPool::ThreadPool(int num_threads)
+    : finish_poll_us_(kDefaultFinishPoll.count()),
+      idle_poll_us_(kDefaultIdlePoll.count()) {
   for (int i = 1; i < num_threads; ++i) {
     workers_.emplace_back([this] { WorkerLoop(); });
   }
@@ -14,6 +32,7 @@ ThreadPool::~ThreadPool() {
   {
     MutexLock lock(&mu_);
     stop_ = true;
+    stop_mirror_.store(true, std::memory_order_relaxed);
   }
   cv_.notify_all();
   for (std::thread& t : workers_) t.join();
@@ -25,9 +44,28 @@ void ThreadPool::RunItems() {
   }
 }
 
+void ThreadPool::PollForJob(int64_t seen) const {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point start = Clock::now();
+  Clock::time_point yielded = start;
+  while (generation_mirror_.load(std::memory_order_relaxed) == seen &&
+         !stop_mirror_.load(std::memory_order_relaxed)) {
+    for (int i = 0; i < 16; ++i) CpuRelax();
+    const Clock::time_point now = Clock::now();
+    if (now - start >= idle_poll()) return;
+    // Other threads of this CPU (gRPC's, the server's) get it at once: a
+    // poller that only spun would hold it until the scheduler's tick.
+    if (now - yielded >= std::chrono::microseconds(50)) {
+      std::this_thread::yield();
+      yielded = now;
+    }
+  }
+}
+
 void ThreadPool::WorkerLoop() {
   int64_t seen = 0;
   while (true) {
+    PollForJob(seen);
     {
       MutexLock lock(&mu_);
       while (!stop_ && generation_ == seen) {
@@ -37,11 +75,13 @@ void ThreadPool::WorkerLoop() {
       if (stop_) return;
       seen = generation_;
       ++busy_;
+      busy_mirror_.store(busy_, std::memory_order_relaxed);
     }
     RunItems();
     {
       MutexLock lock(&mu_);
       --busy_;
+      busy_mirror_.store(busy_, std::memory_order_relaxed);
     }
     done_cv_.notify_all();
   }
@@ -67,11 +107,20 @@ void ThreadPool::ParallelFor(int64_t n,
     n_ = n;
     next_.store(0);
     ++generation_;
+    generation_mirror_.store(generation_, std::memory_order_relaxed);
   }
   cv_.notify_all();
   RunItems();
   // Workers that woke for this generation finish their items; one that has
-  // not woken yet finds no item left and only passes through.
+  // not woken yet finds no item left and only passes through. Every item is
+  // claimed by now, so only a busy worker is waited for: polled first (see
+  // kDefaultFinishPoll), then under mu_, which alone decides (the mirror only
+  // saves a sleep, and mu_ orders the workers' writes before the return).
+  const auto poll_end = std::chrono::steady_clock::now() + finish_poll();
+  while (busy_mirror_.load(std::memory_order_relaxed) > 0 &&
+         std::chrono::steady_clock::now() < poll_end) {
+    for (int i = 0; i < 16; ++i) CpuRelax();
+  }
   MutexLock lock(&mu_);
   while (busy_ > 0 || next_.load() < n_) {
     mu_.WaitUntil(done_cv_, std::chrono::steady_clock::now() +

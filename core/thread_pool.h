@@ -9,7 +9,9 @@
 #ifndef KVSTEP_CORE_THREAD_POOL_H_
 #define KVSTEP_CORE_THREAD_POOL_H_
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -22,6 +24,30 @@ namespace kvstep {
 
 class ThreadPool {
  public:
+  // How long ParallelFor's caller, done with its own items, polls for
+  // workers still on their last ones before it sleeps until they notify.
+  // A sleeping caller's wake costs ~30 us on these 2-vCPU VMs, more when
+  // the hypervisor has parked the idle vCPU: about what a second thread
+  // saves on a 4 MiB attention call (docs/attention.md, session 15). A
+  // worker's last item usually ends well within the default; past it the
+  // caller sleeps, having spent at most this much of a core that had
+  // nothing else of the call to do. 0: sleep at once (the pool before
+  // session 15; attention_bench --pool_poll_us=0).
+  static constexpr std::chrono::microseconds kDefaultFinishPoll{200};
+
+  // How long a worker, done with a job, polls for the next one before it
+  // sleeps on cv_. A worker that has slept through a millisecond or more
+  // while the other vCPU ran wakes 95-200 us after the notify on these
+  // VMs (10-15 us after shorter or idle gaps): longer than a whole 4 MiB
+  // attention call, whose two threads then took as long as one. Polling
+  // keeps it running, so the next job starts on both threads at once; on
+  // the Zen 5 of session 15, 4 MiB bf16 calls 1 ms apart took 0.5x the
+  // time (docs/attention.md). 2 ms covers the gap between a decode step's
+  // layer-by-layer calls; a pool idle longer than that sleeps and costs
+  // nothing. The poll yields its CPU every 50 us, so other threads (gRPC's)
+  // are not kept waiting for a scheduler tick. 0: sleep at once.
+  static constexpr std::chrono::microseconds kDefaultIdlePoll{2000};
+
   // `num_threads` counts the calling thread: 1 means no workers.
   explicit ThreadPool(int num_threads);
   ~ThreadPool();
@@ -31,10 +57,35 @@ class ThreadPool {
   int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
   void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn);
 
+  // See kDefaultFinishPoll; takes effect from the next ParallelFor.
+  void set_finish_poll(std::chrono::microseconds poll) {
+    finish_poll_us_.store(std::max<int64_t>(poll.count(), 0),
+                          std::memory_order_relaxed);
+  }
+  std::chrono::microseconds finish_poll() const {
+    return std::chrono::microseconds(
+        finish_poll_us_.load(std::memory_order_relaxed));
+  }
+
+  // See kDefaultIdlePoll. Takes effect from a worker's next check, so a
+  // change reaches a worker that is polling now.
+  void set_idle_poll(std::chrono::microseconds poll) {
+    idle_poll_us_.store(std::max<int64_t>(poll.count(), 0),
+                        std::memory_order_relaxed);
+  }
+  std::chrono::microseconds idle_poll() const {
+    return std::chrono::microseconds(
+        idle_poll_us_.load(std::memory_order_relaxed));
+  }
+
  private:
   void WorkerLoop();
   void RunItems();
+  // Polls (see set_idle_poll) until the generation moves past `seen`, the
+  // pool stops, or the poll's time is up.
+  void PollForJob(int64_t seen) const;
 
+  std::atomic<int64_t> finish_poll_us_;
   Mutex call_mu_;  // one ParallelFor at a time
   Mutex mu_;
   std::condition_variable cv_;       // workers wait for a generation
@@ -47,6 +98,14 @@ class ThreadPool {
   const std::function<void(int64_t)>* fn_ = nullptr;
   int64_t n_ = 0;
   std::atomic<int64_t> next_{0};
+  // busy_'s value, written with it under mu_, for the caller to poll
+  // without the lock while a worker finishes (ParallelFor).
+  std::atomic<int> busy_mirror_{0};
+  // generation_ and stop_, written with them under mu_, for idle workers
+  // to poll without the lock (PollForJob); mu_ alone decides.
+  std::atomic<int64_t> generation_mirror_{0};
+  std::atomic<bool> stop_mirror_{false};
+  std::atomic<int64_t> idle_poll_us_;
   std::vector<std::thread> workers_;
 };
 

@@ -45,6 +45,10 @@ ABSL_FLAG(int64_t, num_host_blocks, 0,
           "blocks of the host tier for SwapOut/SwapIn (0: none)");
 ABSL_FLAG(int32_t, attention_threads, 0,
           "threads for PagedAttention, this one included (0: one per core)");
+ABSL_FLAG(int64_t, attention_idle_poll_us, -1,
+          "how long an attention worker polls for the next PagedAttention "
+          "call before it sleeps, in us (-1: the default, 2000; 0: sleep at "
+          "once); see docs/operations.md");
 ABSL_FLAG(std::string, attention_prefetch, "auto",
           "PagedAttention's K/V prefetch hint: auto (prefetchnta on AMD, "
           "prefetcht1 elsewhere), nta, t0 or t1; see docs/attention.md");
@@ -149,6 +153,8 @@ int main(int argc, char** argv) {
   opt.engine.num_host_blocks = absl::GetFlag(FLAGS_num_host_blocks);
   opt.engine.watermark = absl::GetFlag(FLAGS_watermark);
   opt.engine.attention_threads = absl::GetFlag(FLAGS_attention_threads);
+  opt.engine.attention_idle_poll_us =
+      absl::GetFlag(FLAGS_attention_idle_poll_us);
   if (!kvstep::ParsePrefetch(absl::GetFlag(FLAGS_attention_prefetch),
                              &opt.engine.attention_prefetch)) {
     return Fail(absl::StrCat("--attention_prefetch: unknown hint '",

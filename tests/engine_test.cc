@@ -514,6 +514,22 @@ TEST(EngineOptions, BadGeometryIsRefused) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// --attention_idle_poll_us: -1 (the pool's default) up to a second.
+TEST(EngineOptions, AttentionIdlePollRange) {
+  EngineOptions o;
+  o.cache.num_blocks = 8;
+  for (const int64_t us : {int64_t{-2}, int64_t{1000001}}) {
+    o.attention_idle_poll_us = us;
+    const absl::Status s = Engine::Create(o).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << us;
+    EXPECT_THAT(s.message(), HasSubstr("attention_idle_poll_us")) << us;
+  }
+  for (const int64_t us : {int64_t{-1}, int64_t{0}, int64_t{1000000}}) {
+    o.attention_idle_poll_us = us;
+    EXPECT_TRUE(Engine::Create(o).ok()) << us;
+  }
+}
+
 // --attention_prefetch: each hint is reported as the one the server runs
 // (kAuto as what it resolves to here), and all give the same bytes, since
 // a hint changes timing only. A bf16 prefill of 40 tokens, GQA 4 over 2 KV
