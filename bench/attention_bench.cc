@@ -606,8 +606,9 @@ int main(int argc, char** argv) {
       o.cold = false;
     } else if (a == "--no_baseline") {
       baseline = false;
-    } else if (kvstep::ParseParamFlag(a, &o.params)) {
-    } else if (kvstep::ParsePollFlag(a, &o.polls)) {
+    } else if (kvstep::ParseParamFlag(a, &o.params) ||
+               kvstep::ParsePollFlag(a, &o.polls)) {
+      // Taken by either parser.
     } else if (const char* v = value("--vs=")) {
       vs_flag = std::string("--") + v;
     } else if (a == "--layout=nhd") {
