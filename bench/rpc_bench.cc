@@ -7,7 +7,18 @@
 // control RPCs within 10% of the ping.
 //
 //   build/bench/rpc_bench [--rounds=3000] [--rows=64] [--target=ADDR]
+//       [--attention_context=N] [--attention_idle_poll_us=N]
 // Without --target, a server is started in this process on a unix socket.
+//
+// --attention_context=N (N a multiple of 16, at least 1024) adds a
+// PagedAttention call to every round: one decode token over N cached tokens
+// (explicit mode, bf16, 32 query heads over 8 KV heads, head 128, block 16,
+// random blocks; 4 MiB of K/V per 1024 tokens, so that the call runs on the
+// server's attention threads). The control RPCs of the next round then
+// come within the attention workers' idle poll (--attention_idle_poll_us,
+// passed to the in-process server; -1 its default): runs with the poll and
+// without show what a polling worker costs the control path. The cache
+// then has that geometry for every series (64 KB a block).
 #include <unistd.h>
 
 #include <algorithm>
@@ -26,6 +37,11 @@
 ABSL_FLAG(int, rounds, 3000, "calls of each kind");
 ABSL_FLAG(int, rows, 64, "decode rows in the batch");
 ABSL_FLAG(std::string, target, "", "an external server (default: in-process)");
+ABSL_FLAG(int64_t, attention_context, 0,
+          "cached tokens of a PagedAttention call added to each round (0: "
+          "none; else a multiple of 16, at least 1024)");
+ABSL_FLAG(int64_t, attention_idle_poll_us, -1,
+          "the in-process server's --attention_idle_poll_us");
 
 namespace {
 
@@ -47,16 +63,28 @@ int main(int argc, char** argv) {
   const int rounds = absl::GetFlag(FLAGS_rounds);
   const int rows = absl::GetFlag(FLAGS_rows);
   std::string target = absl::GetFlag(FLAGS_target);
+  const int64_t attn_ctx = absl::GetFlag(FLAGS_attention_context);
+  if (attn_ctx != 0 && (attn_ctx < 1024 || attn_ctx % 16 != 0)) {
+    std::fprintf(stderr,
+                 "--attention_context must be 0 or a multiple of 16 of at "
+                 "least 1024\n");
+    return 2;
+  }
   std::unique_ptr<kvstep::Server> server;
   if (target.empty()) {
     kvstep::ServerOptions o;
     o.listen = absl::StrCat("unix:/tmp/kvstep-rpc-bench-", getpid(), ".sock");
-    // Enough blocks for every row to advance once per round; a small
-    // geometry, since this measures control RPCs, not the pool.
-    o.engine.cache.num_blocks = (rows + 1) * ((rounds * 2 + 32) / 16 + 1);
+    // Enough blocks for every row to advance once per round (and for the
+    // attention call's blocks); a small geometry unless attention is timed,
+    // since this measures control RPCs, not the pool.
+    o.engine.cache.num_blocks =
+        (rows + 1) * ((rounds * 2 + 32) / 16 + 1) + attn_ctx / 16;
     o.engine.cache.num_layers = 1;
-    o.engine.cache.num_kv_heads = 1;
-    o.engine.cache.head_size = 8;
+    o.engine.cache.num_kv_heads = attn_ctx > 0 ? 8 : 1;
+    o.engine.cache.head_size = attn_ctx > 0 ? 128 : 8;
+    if (attn_ctx > 0) o.engine.cache.dtype = kvstep::DType::kBFloat16;
+    o.engine.attention_idle_poll_us =
+        absl::GetFlag(FLAGS_attention_idle_poll_us);
     auto s = kvstep::Server::Start(o);
     if (!s.ok()) {
       std::fprintf(stderr, "%s\n", s.status().ToString().c_str());
@@ -112,6 +140,34 @@ int main(int argc, char** argv) {
        [&] { return client->AdvanceStep(step_tensors).ok(); },
        {}},
   };
+  // One decode token over attn_ctx cached tokens, in explicit mode; the
+  // new K/V are not written (slot -1), so the call only reads the cache.
+  kvstep::v1::PagedAttentionRequest attn;
+  if (attn_ctx > 0) {
+    const int64_t nb = attn_ctx / 16;
+    std::vector<int64_t> table(static_cast<size_t>(nb));
+    const int64_t pool_blocks = (rows + 1) * ((rounds * 2 + 32) / 16 + 1) + nb;
+    for (int64_t i = 0; i < nb; ++i) {
+      table[static_cast<size_t>(i)] = (i * 7919) % pool_blocks;
+    }
+    *attn.mutable_block_tables() = kvstep::MakeIndexTensor(table, {1, nb});
+    *attn.mutable_seq_lens() = kvstep::MakeIndexTensor({attn_ctx}, {1});
+    *attn.mutable_slot_mapping() = kvstep::MakeIndexTensor({-1}, {1});
+    auto bf16 = [](int64_t heads) {
+      kvstep::v1::Tensor t;
+      t.set_dtype(kvstep::v1::DTYPE_BFLOAT16);
+      for (const int64_t d : {int64_t{1}, heads, int64_t{128}}) t.add_shape(d);
+      t.set_data(std::string(static_cast<size_t>(heads * 128 * 2), '\0'));
+      return t;
+    };
+    *attn.mutable_query() = bf16(32);
+    *attn.mutable_key() = bf16(8);
+    *attn.mutable_value() = bf16(8);
+    series.push_back({absl::StrCat("PagedAttention (bf16, context ", attn_ctx,
+                                   ", ", attn_ctx * 4 / 1024, " MiB)"),
+                      [&] { return client->PagedAttention(attn).ok(); },
+                      {}});
+  }
   for (int warm = 0; warm < 100; ++warm) series[0].call();
   for (int r = 0; r < rounds; ++r) {
     for (Series& s : series) {
