@@ -70,15 +70,18 @@ int main(int argc, char** argv) {
                  "least 1024\n");
     return 2;
   }
+  // Enough blocks for every row to advance once per round, and the
+  // attention call's blocks after them.
+  const int64_t control_blocks =
+      (int64_t{rows} + 1) * ((int64_t{rounds} * 2 + 32) / 16 + 1);
+  const int64_t pool_blocks = control_blocks + attn_ctx / 16;
   std::unique_ptr<kvstep::Server> server;
   if (target.empty()) {
     kvstep::ServerOptions o;
     o.listen = absl::StrCat("unix:/tmp/kvstep-rpc-bench-", getpid(), ".sock");
-    // Enough blocks for every row to advance once per round (and for the
-    // attention call's blocks); a small geometry unless attention is timed,
-    // since this measures control RPCs, not the pool.
-    o.engine.cache.num_blocks =
-        (rows + 1) * ((rounds * 2 + 32) / 16 + 1) + attn_ctx / 16;
+    // A small geometry unless attention is timed, since this measures
+    // control RPCs, not the pool.
+    o.engine.cache.num_blocks = pool_blocks;
     o.engine.cache.num_layers = 1;
     o.engine.cache.num_kv_heads = attn_ctx > 0 ? 8 : 1;
     o.engine.cache.head_size = attn_ctx > 0 ? 128 : 8;
@@ -146,7 +149,6 @@ int main(int argc, char** argv) {
   if (attn_ctx > 0) {
     const int64_t nb = attn_ctx / 16;
     std::vector<int64_t> table(static_cast<size_t>(nb));
-    const int64_t pool_blocks = (rows + 1) * ((rounds * 2 + 32) / 16 + 1) + nb;
     for (int64_t i = 0; i < nb; ++i) {
       table[static_cast<size_t>(i)] = (i * 7919) % pool_blocks;
     }
