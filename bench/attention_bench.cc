@@ -257,11 +257,25 @@ const char* KernelName(AttentionParams::Kernel k) {
   return "auto";
 }
 
+// A prefetch hint in words; kAuto as what it resolves to here, by cache
+// dtype where that differs.
+std::string PrefetchWords(AttentionParams::Prefetch hint) {
+  if (hint != AttentionParams::Prefetch::kAuto) {
+    return std::string(PrefetchName(hint)) + " prefetch";
+  }
+  const AttentionParams::Prefetch b16 = BestPrefetch(DType::kBFloat16);
+  const AttentionParams::Prefetch f32 = BestPrefetch(DType::kFloat32);
+  std::string words = std::string(PrefetchName(b16)) + " prefetch";
+  if (f32 != b16) {
+    words += std::string(" (") + PrefetchName(f32) + " for fp32 caches)";
+  }
+  return words;
+}
+
 // A configuration in words, for the table headers.
 std::string Describe(const AttentionParams& p) {
   return std::string("kernel ") + KernelName(p.kernel) + ", " + IsaName(p.isa) +
-         " instruction set, " + PrefetchName(p.prefetch) +
-         " prefetch, bf16 keys " +
+         " instruction set, " + PrefetchWords(p.prefetch) + ", bf16 keys " +
          (p.bf16_keys == AttentionParams::Bf16Keys::kDot     ? "by VDPBF16PS"
           : p.bf16_keys == AttentionParams::Bf16Keys::kWiden ? "widened"
                                                              : "auto") +
@@ -690,9 +704,8 @@ int main(int argc, char** argv) {
     if (p->isa == kvstep::AttentionParams::Isa::kBest) {
       p->isa = kvstep::BestIsa();
     }
-    if (p->prefetch == kvstep::AttentionParams::Prefetch::kAuto) {
-      p->prefetch = kvstep::BestPrefetch();
-    }
+    // The prefetch hint stays kAuto: the kernel resolves it by the cache's
+    // dtype (Describe names both choices).
     if (p->bf16_keys == kvstep::AttentionParams::Bf16Keys::kAuto) {
       p->bf16_keys = kvstep::BestBf16Keys();
     }

@@ -269,11 +269,14 @@ bool AmdVendor() {
 #endif
 }
 
-// How a call prefetches K/V: kAuto resolved for this CPU.
-AttentionParams::Prefetch ResolvePrefetch(AttentionParams::Prefetch p) {
+// How a call over a `cache`-typed cache prefetches K/V: kAuto resolved for
+// this CPU (see AttentionParams::prefetch).
+AttentionParams::Prefetch ResolvePrefetch(AttentionParams::Prefetch p,
+                                          DType cache) {
   if (p != AttentionParams::Prefetch::kAuto) return p;
-  return AmdVendor() ? AttentionParams::Prefetch::kNta
-                     : AttentionParams::Prefetch::kT1;
+  if (!AmdVendor()) return AttentionParams::Prefetch::kT1;
+  return cache == DType::kFloat32 ? AttentionParams::Prefetch::kT0
+                                  : AttentionParams::Prefetch::kNta;
 }
 
 // The slice touch's gates (AttentionParams::touch_min_bytes and
@@ -1206,8 +1209,8 @@ const char* IsaName(AttentionParams::Isa isa) {
   }
 }
 
-AttentionParams::Prefetch BestPrefetch() {
-  return ResolvePrefetch(AttentionParams::Prefetch::kAuto);
+AttentionParams::Prefetch BestPrefetch(DType cache) {
+  return ResolvePrefetch(AttentionParams::Prefetch::kAuto, cache);
 }
 
 const char* PrefetchName(AttentionParams::Prefetch prefetch) {

@@ -73,13 +73,18 @@ struct AttentionParams {
   Isa isa = Isa::kBest;
   // The hint of the AVX-512 passes' software prefetches of K/V, lines each
   // call reads once. Which is faster depends on the CPU, by far: on Zen 5
-  // prefetchnta (kNta) took 3-10% less time than prefetcht0 (kT0) and
-  // 15-34% less than prefetcht1/t2; on an Intel Xeon with AMX (Granite
+  // prefetchnta (kNta) took 3-10% less time than prefetcht0 (kT0) for
+  // 16-bit caches (session 5, before the cold-cache method) and 15-34% less
+  // than prefetcht1/t2; on an Intel Xeon with AMX (Granite
   // Rapids class) kNta took 1.5-2.1x the time of prefetcht1 (kT1), and kT0
   // 1-9% more than kT1 (docs/attention.md, session 8). With kT0 and kT1
   // the passes also start the core's L2 streamer on the blocks 4 ahead
-  // (2-10% less time there). kAuto: kNta on AMD (and Hygon) CPUs, kT1
-  // elsewhere. The others force one, for benchmarks (attention_bench
+  // (2-10% less time there). kAuto: kT1 except on AMD (and Hygon) CPUs,
+  // which take kNta, and kT0 for fp32 caches: on Zen 5, fp32 calls took
+  // 0.94-0.97x the time with kT0 in 8 of 8 cases and kNta 0.98-1.07x of
+  // kT0's in the reverse order (session 15; bf16 was mixed, 0.92-1.01x one
+  // way and 1.02-1.24x the other; fp16 took 1.06-1.07x with kT0, session
+  // 14). The others force one, for benchmarks (attention_bench
   // --vs=prefetch=...) and for kvstep-server --attention_prefetch. The
   // 8-wide passes (the AVX2 build; MHA and fp8 caches in the AVX-512 one)
   // take prefetcht1 for kT1 and prefetcht0 otherwise. The hint changes
@@ -120,8 +125,9 @@ struct AttentionParams {
 bool IsaSupported(AttentionParams::Isa isa);
 const char* IsaName(AttentionParams::Isa isa);
 AttentionParams::Isa BestIsa();
-// What kAuto prefetches with on this CPU (never kAuto), and a hint's name.
-AttentionParams::Prefetch BestPrefetch();
+// What kAuto prefetches with on this CPU for a cache of dtype `cache`
+// (never kAuto), and a hint's name.
+AttentionParams::Prefetch BestPrefetch(DType cache = DType::kBFloat16);
 const char* PrefetchName(AttentionParams::Prefetch prefetch);
 // "auto", "nta", "t0" or "t1" into *out (flags); false for anything else.
 bool ParsePrefetch(absl::string_view name, AttentionParams::Prefetch* out);

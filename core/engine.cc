@@ -127,7 +127,7 @@ Engine::Engine(const EngineOptions& options, std::unique_ptr<KvCache> cache,
                     1, static_cast<int>(std::thread::hardware_concurrency())))),
       attention_prefetch_(options.attention_prefetch ==
                                   AttentionParams::Prefetch::kAuto
-                              ? BestPrefetch()
+                              ? BestPrefetch(options.cache.dtype)
                               : options.attention_prefetch),
       clock_(options.clock),
       default_session_ttl_(options.default_session_ttl),

@@ -580,10 +580,13 @@ TEST(PagedAttention, DtypesAndGqaRatios) {
 // other builds run the same cases) against the reference: a hint must
 // change timing only. And kAuto resolves to a hint, by this CPU's vendor.
 TEST(PagedAttention, EveryPrefetchHint) {
-  const AttentionParams::Prefetch best = BestPrefetch();
-  EXPECT_NE(best, AttentionParams::Prefetch::kAuto);
-  EXPECT_STRNE(PrefetchName(best),
-               PrefetchName(AttentionParams::Prefetch::kAuto));
+  for (const DType cache : {DType::kBFloat16, DType::kFloat16, DType::kFloat32,
+                            DType::kFp8E4M3, DType::kFp8E5M2}) {
+    const AttentionParams::Prefetch best = BestPrefetch(cache);
+    EXPECT_NE(best, AttentionParams::Prefetch::kAuto);
+    EXPECT_STRNE(PrefetchName(best),
+                 PrefetchName(AttentionParams::Prefetch::kAuto));
+  }
   const Dtypes dtypes[] = {{DType::kBFloat16, DType::kBFloat16},
                            {DType::kFloat16, DType::kFloat16},
                            {DType::kFloat32, DType::kFloat32}};

@@ -576,8 +576,9 @@ TEST(EngineOptions, AttentionPrefetchIsReportedAndChangesNoResult) {
     o.attention_prefetch = hint;
     absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(o);
     ASSERT_TRUE(e.ok()) << e.status();
-    const auto resolved =
-        hint == AttentionParams::Prefetch::kAuto ? BestPrefetch() : hint;
+    const auto resolved = hint == AttentionParams::Prefetch::kAuto
+                              ? BestPrefetch(DType::kBFloat16)
+                              : hint;
     EXPECT_THAT((*e)->Info().attention_kernel,
                 HasSubstr(absl::StrCat(IsaName(BestIsa()), ", ",
                                        PrefetchName(resolved))));
@@ -593,6 +594,17 @@ TEST(EngineOptions, AttentionPrefetchIsReportedAndChangesNoResult) {
       EXPECT_EQ(bytes, first) << PrefetchName(hint);
     }
   }
+  // kAuto is resolved by the server's cache dtype (prefetcht0 for fp32
+  // caches on AMD, session 15): the report names the fp32 choice.
+  EngineOptions o;
+  o.cache.num_blocks = 8;
+  o.cache.dtype = DType::kFloat32;
+  absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(o);
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_THAT(
+      (*e)->Info().attention_kernel,
+      HasSubstr(absl::StrCat(IsaName(BestIsa()), ", ",
+                             PrefetchName(BestPrefetch(DType::kFloat32)))));
 }
 
 // Random operations through the whole engine, auditing the invariants
