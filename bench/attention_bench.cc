@@ -34,17 +34,19 @@
 // worker to finish before it sleeps (ThreadPool::set_finish_poll; by
 // default kDefaultFinishPoll, 0 sleeps at once), --pool_idle_poll_us how
 // long the worker polls for the next call (set_idle_poll; by default
-// kDefaultIdlePoll). Between two cold calls the caller flushes for a few
-// ms, which an idle poll shorter than that does not bridge.
+// kDefaultIdlePoll). Between two cold calls the caller flushes the case's
+// K/V and reads 32 MiB (0.5-1 ms at 4 MiB of K/V, longer for bigger
+// calls), which an idle poll shorter than that does not bridge; each
+// round's read pass (about 8 ms) is never bridged.
 //
 // --vs=FLAG (any of --isa=, --kernel=, --prefetch=, --bf16_keys=, --amx=,
 // --touch_min_mib=, --touch_min_blocks=, --pool_poll_us=,
-// --pool_idle_poll_us=) times a second
-// configuration call by call against the first, in the same process and on the
-// same cache: A, B, A, B, ... each after its own cache flush. It prints both
-// best times and the median over pairs of B's time / A's, which resolves
-// differences of a few percent that this shared VM's drift (5-10% from run to
-// run) hides between two separate runs.
+// --pool_idle_poll_us=) times a second configuration call by call against
+// the first, in the same process and on the same cache: A, B, A, B, ... each
+// after its own cache flush. It prints both best times and the median over
+// pairs of B's time / A's, which resolves differences of a few percent that
+// this shared VM's drift (5-10% from run to run) hides between two separate
+// runs.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
