@@ -4,8 +4,11 @@
 // calling thread, and returns when all are done. Work is claimed with an
 // atomic counter, so uneven items balance themselves. A call with one item,
 // or a pool of one thread, runs inline: waking a thread on the other core
-// costs ~30 us here, more than a small kernel. Thread-safe; concurrent
-// ParallelFor calls are serialized.
+// costs 10-200 us here, more than a small kernel. Between calls, workers
+// poll for the next one for a while before they sleep, and so does the
+// caller for its workers at the end of a call (kDefaultIdlePoll,
+// kDefaultFinishPoll). Thread-safe; concurrent ParallelFor calls are
+// serialized.
 #ifndef KVSTEP_CORE_THREAD_POOL_H_
 #define KVSTEP_CORE_THREAD_POOL_H_
 
