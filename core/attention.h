@@ -127,7 +127,7 @@ const char* IsaName(AttentionParams::Isa isa);
 AttentionParams::Isa BestIsa();
 // What kAuto prefetches with on this CPU for a cache of dtype `cache`
 // (never kAuto), and a hint's name.
-AttentionParams::Prefetch BestPrefetch(DType cache = DType::kBFloat16);
+AttentionParams::Prefetch BestPrefetch(DType cache);
 const char* PrefetchName(AttentionParams::Prefetch prefetch);
 // "auto", "nta", "t0" or "t1" into *out (flags); false for anything else.
 bool ParsePrefetch(absl::string_view name, AttentionParams::Prefetch* out);

@@ -1,6 +1,5 @@
 #include "core/thread_pool.h"
 
-#include <algorithm>
 #include <chrono>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -20,9 +19,7 @@ inline void CpuRelax() {
 
 }  // namespace
 
-ThreadPool::ThreadPool(int num_threads)
-    : finish_poll_us_(kDefaultFinishPoll.count()),
-      idle_poll_us_(kDefaultIdlePoll.count()) {
+ThreadPool::ThreadPool(int num_threads) {
   for (int i = 1; i < num_threads; ++i) {
     workers_.emplace_back([this] { WorkerLoop(); });
   }

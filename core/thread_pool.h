@@ -62,24 +62,14 @@ class ThreadPool {
 
   // See kDefaultFinishPoll; takes effect from the next ParallelFor.
   void set_finish_poll(std::chrono::microseconds poll) {
-    finish_poll_us_.store(std::max<int64_t>(poll.count(), 0),
-                          std::memory_order_relaxed);
+    finish_poll_.Set(poll);
   }
-  std::chrono::microseconds finish_poll() const {
-    return std::chrono::microseconds(
-        finish_poll_us_.load(std::memory_order_relaxed));
-  }
+  std::chrono::microseconds finish_poll() const { return finish_poll_.Get(); }
 
   // See kDefaultIdlePoll. Takes effect from a worker's next check, so a
   // change reaches a worker that is polling now.
-  void set_idle_poll(std::chrono::microseconds poll) {
-    idle_poll_us_.store(std::max<int64_t>(poll.count(), 0),
-                        std::memory_order_relaxed);
-  }
-  std::chrono::microseconds idle_poll() const {
-    return std::chrono::microseconds(
-        idle_poll_us_.load(std::memory_order_relaxed));
-  }
+  void set_idle_poll(std::chrono::microseconds poll) { idle_poll_.Set(poll); }
+  std::chrono::microseconds idle_poll() const { return idle_poll_.Get(); }
 
  private:
   void WorkerLoop();
@@ -88,7 +78,24 @@ class ThreadPool {
   // pool stops, or the poll's time is up.
   void PollForJob(int64_t seen) const;
 
-  std::atomic<int64_t> finish_poll_us_;
+  // A poll's length, read by polling threads while another may set it;
+  // negative settings are taken as 0.
+  class PollTime {
+   public:
+    explicit PollTime(std::chrono::microseconds initial) { Set(initial); }
+    void Set(std::chrono::microseconds poll) {
+      us_.store(std::max<int64_t>(poll.count(), 0), std::memory_order_relaxed);
+    }
+    std::chrono::microseconds Get() const {
+      return std::chrono::microseconds(us_.load(std::memory_order_relaxed));
+    }
+
+   private:
+    std::atomic<int64_t> us_{0};
+  };
+
+  PollTime finish_poll_{kDefaultFinishPoll};
+  PollTime idle_poll_{kDefaultIdlePoll};
   Mutex call_mu_;  // one ParallelFor at a time
   Mutex mu_;
   std::condition_variable cv_;       // workers wait for a generation
@@ -108,7 +115,6 @@ class ThreadPool {
   // to poll without the lock (PollForJob); mu_ alone decides.
   std::atomic<int64_t> generation_mirror_{0};
   std::atomic<bool> stop_mirror_{false};
-  std::atomic<int64_t> idle_poll_us_;
   std::vector<std::thread> workers_;
 };
 
