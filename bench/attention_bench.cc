@@ -15,7 +15,8 @@
 //       [--context=N] [--batch=N] [--threads=N]
 //       [--kernel=v1|v2] [--isa=avx512|avx2|portable] [--kv_heads=8]
 //       [--prefill=N] [--warm] [--vs=isa=avx2|kernel=v1|kernel=v2|...]
-//       [--pool_mib=N] [--prefetch=auto|nta|t0|t1] [--flush_mib=N]
+//       [--pool_mib=N] [--tables=random|sequential]
+//       [--prefetch=auto|nta|t0|t1] [--flush_mib=N]
 //       [--bf16_keys=auto|dot|widen] [--amx=on|off]
 //       [--touch_min_mib=N] [--touch_min_blocks=N] [--pool_poll_us=N]
 //       [--pool_idle_poll_us=N]
@@ -25,6 +26,9 @@
 // whose pool is far larger than one batch; by default the pool is the
 // batch's blocks, so small batches read from a small region. --query sets
 // the query's dtype (by default the cache's; bf16 for fp8 caches).
+// --tables=sequential gives row r the pool's blocks r * w .. r * w + w - 1
+// (w blocks a row) in order, as a fresh pool would to one growing
+// sequence, instead of a random draw from the pool.
 //
 // --touch_min_mib and --touch_min_blocks set AttentionParams' slice touch
 // gates (by default this CPU's; 0 and 0 touch every item, a huge
@@ -349,6 +353,11 @@ struct Options {
   // The pool's K+V size at least (MiB), the batch's blocks drawn at random
   // from all of it; 0: the batch's blocks only (--pool_mib=).
   int64_t pool_mib = 0;
+  // Sequential tables (--tables=sequential): row r holds blocks r * w ..
+  // r * w + w - 1 of the pool, as a fresh pool hands them out to one
+  // growing sequence, instead of a random draw (a pool fragmented by
+  // frees). How much of the gap to the read is the random pattern's.
+  bool sequential_tables = false;
   // Cold: each call starts with the layer's K/V out of the caches, as in a
   // served model, where the other layers' K/V pass through L3 between two
   // calls for one layer (CacheFlusher). Warm (--warm): back-to-back calls,
@@ -470,7 +479,9 @@ Setup MakeSetup(DType dtype, int64_t ctx, int64_t batch, const Options& o) {
   rows.num_real = batch;
   std::vector<int64_t> perm(c.num_blocks);
   std::iota(perm.begin(), perm.end(), 0);
-  std::shuffle(perm.begin(), perm.end(), std::mt19937_64(1));
+  if (!o.sequential_tables) {
+    std::shuffle(perm.begin(), perm.end(), std::mt19937_64(1));
+  }
   perm.resize(per_row * batch);
   rows.block_tables = perm;
   const int64_t nq = o.prefill > 0 ? std::min(o.prefill, ctx) : 1;
@@ -637,6 +648,8 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "--pool_mib must be >= 0\n");
         return 2;
       }
+    } else if (a == "--tables=sequential" || a == "--tables=random") {
+      o.sequential_tables = a == "--tables=sequential";
     } else if (const char* v = value("--flush_mib=")) {
       flush_mib = std::stoll(v);
       if (flush_mib < 1) {
@@ -726,10 +739,11 @@ int main(int argc, char** argv) {
   }
   std::printf(
       "layout %s, %s, %s; 32 query heads over %ld KV heads, head 128, block "
-      "16, random block tables; ",
+      "16, %s block tables; ",
       o.layout == kvstep::CacheLayout::kVllm ? "vllm" : "nhd",
       kvstep::Describe(o.params).c_str(), o.polls.Describe().c_str(),
-      static_cast<long>(o.kv_heads));
+      static_cast<long>(o.kv_heads),
+      o.sequential_tables ? "sequential" : "random");
   if (o.cold && flusher.lines()) {
     std::printf(
         "cold caches (before each call, untimed: the case's K/V lines "
