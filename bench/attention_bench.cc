@@ -15,7 +15,7 @@
 //       [--context=N] [--batch=N] [--threads=N]
 //       [--kernel=v1|v2] [--isa=avx512|avx2|portable] [--kv_heads=8]
 //       [--prefill=N] [--warm] [--vs=isa=avx2|kernel=v1|kernel=v2|...]
-//       [--pool_mib=N] [--tables=random|sequential]
+//       [--pool_mib=N] [--tables=random|sorted|sequential]
 //       [--prefetch=auto|nta|t0|t1] [--flush_mib=N]
 //       [--bf16_keys=auto|dot|widen] [--amx=on|off]
 //       [--touch_min_mib=N] [--touch_min_blocks=N] [--pool_poll_us=N]
@@ -26,7 +26,8 @@
 // whose pool is far larger than one batch; by default the pool is the
 // batch's blocks, so small batches read from a small region. --query sets
 // the query's dtype (by default the cache's; bf16 for fp8 caches).
-// --tables=sequential gives row r the pool's blocks r * w .. r * w + w - 1
+// --tables=sorted sorts each row's random blocks by address; --tables=
+// sequential gives row r the pool's blocks r * w .. r * w + w - 1
 // (w blocks a row) in order, as a fresh pool would to one growing
 // sequence, instead of a random draw from the pool.
 //
@@ -45,9 +46,9 @@
 //
 // --vs=FLAG (any of --isa=, --kernel=, --prefetch=, --bf16_keys=, --amx=,
 // --touch_min_mib=, --touch_min_blocks=, --pool_poll_us=,
-// --pool_idle_poll_us=) times a second configuration call by call against
-// the first, in the same process and on the same cache: A, B, A, B, ... each
-// after its own cache flush. It prints both best times and the median over
+// --pool_idle_poll_us=, --tables=) times a second configuration call by call
+// against the first, in the same process and on the same cache: A, B, A, B, ...
+// each after its own cache flush. It prints both best times and the median over
 // pairs of B's time / A's, which resolves differences of a few percent that
 // this shared VM's drift (5-10% from run to run) hides between two separate
 // runs.
@@ -353,11 +354,15 @@ struct Options {
   // The pool's K+V size at least (MiB), the batch's blocks drawn at random
   // from all of it; 0: the batch's blocks only (--pool_mib=).
   int64_t pool_mib = 0;
-  // Sequential tables (--tables=sequential): row r holds blocks r * w ..
-  // r * w + w - 1 of the pool, as a fresh pool hands them out to one
-  // growing sequence, instead of a random draw (a pool fragmented by
-  // frees). How much of the gap to the read is the random pattern's.
-  bool sequential_tables = false;
+  // How rows draw their blocks from the pool (--tables=): kRandom, a
+  // random draw (a pool fragmented by frees); kSorted, the same draw with
+  // each row's blocks in ascending order (what a kernel visiting blocks in
+  // address order would read); kSequential, row r holds blocks r * w .. r *
+  // w + w - 1 in order, as a fresh pool hands them to one growing sequence.
+  // The gaps between them are the random pattern's cost, not the kernel's.
+  enum class Tables { kRandom, kSorted, kSequential };
+  Tables tables = Tables::kRandom;
+  Tables vs_tables = Tables::kRandom;  // B's, with --vs=tables=...
   // Cold: each call starts with the layer's K/V out of the caches, as in a
   // served model, where the other layers' K/V pass through L3 between two
   // calls for one layer (CacheFlusher). Warm (--warm): back-to-back calls,
@@ -392,6 +397,7 @@ constexpr size_t kReadBytes = size_t{256} << 20;
 struct Setup {
   std::unique_ptr<KvCache> cache;
   AttentionRows rows;
+  AttentionRows vs_rows;  // rows with the A/B's B tables (same cache)
   Tensor q;
   double work;
 };
@@ -477,16 +483,26 @@ Setup MakeSetup(DType dtype, int64_t ctx, int64_t batch, const Options& o) {
   AttentionRows& rows = st.rows;
   rows.width = per_row;
   rows.num_real = batch;
-  std::vector<int64_t> perm(c.num_blocks);
-  std::iota(perm.begin(), perm.end(), 0);
-  if (!o.sequential_tables) {
-    std::shuffle(perm.begin(), perm.end(), std::mt19937_64(1));
-  }
-  perm.resize(per_row * batch);
-  rows.block_tables = perm;
+  auto tables = [&](Options::Tables kind) {
+    std::vector<int64_t> perm(c.num_blocks);
+    std::iota(perm.begin(), perm.end(), 0);
+    if (kind != Options::Tables::kSequential) {
+      std::shuffle(perm.begin(), perm.end(), std::mt19937_64(1));
+    }
+    perm.resize(per_row * batch);
+    if (kind == Options::Tables::kSorted) {
+      for (int64_t r = 0; r < batch; ++r) {
+        std::sort(perm.begin() + r * per_row, perm.begin() + (r + 1) * per_row);
+      }
+    }
+    return perm;
+  };
+  rows.block_tables = tables(o.tables);
   const int64_t nq = o.prefill > 0 ? std::min(o.prefill, ctx) : 1;
   for (int64_t r = 0; r <= batch; ++r) rows.query_start.push_back(r * nq);
   rows.seq_lens.assign(batch, ctx);
+  st.vs_rows = rows;
+  st.vs_rows.block_tables = tables(o.vs_tables);
   // fp8 caches are read with bf16 queries (and outputs) by default.
   const DType act = o.query != DType::kInvalid ? o.query
                     : DTypeSize(dtype) == 1    ? DType::kBFloat16
@@ -566,6 +582,33 @@ bool ParsePollFlag(const std::string& a, Options::Polls* polls) {
   return false;
 }
 
+// --tables=random|sorted|sequential into *t; false for any other flag.
+bool ParseTables(const std::string& a, Options::Tables* t) {
+  using T = Options::Tables;
+  for (const auto& [name, kind] :
+       {std::pair<const char*, T>{"--tables=random", T::kRandom},
+        {"--tables=sorted", T::kSorted},
+        {"--tables=sequential", T::kSequential}}) {
+    if (a == name) {
+      *t = kind;
+      return true;
+    }
+  }
+  return false;
+}
+
+const char* TablesName(Options::Tables t) {
+  switch (t) {
+    case Options::Tables::kSorted:
+      return "sorted random";
+    case Options::Tables::kSequential:
+      return "sequential";
+    case Options::Tables::kRandom:
+      break;
+  }
+  return "random";
+}
+
 struct AbResult {
   double best_a_us, best_b_us;
   double median_ratio;  // over pairs (A, B) called back to back: B / A
@@ -580,17 +623,18 @@ AbResult MeasureAb(DType dtype, int64_t ctx, int64_t batch, int threads,
   ThreadPool pool(threads);
   Tensor out;
   MustRun(PagedAttention(*st.cache, 0, st.q, st.rows, o.params, &pool, &out));
-  MustRun(PagedAttention(*st.cache, 0, st.q, st.rows, o.vs, &pool, &out));
+  MustRun(PagedAttention(*st.cache, 0, st.q, st.vs_rows, o.vs, &pool, &out));
   // Each call's polls are set before its flush, and an empty job follows,
   // so that the worker ends a job under them: its idle poll decides whether
   // it is still polling or asleep when the call starts, as if the calls
   // before it had had the same polls.
-  auto call = [&](const AttentionParams& p, const Options::Polls& polls) {
+  auto call = [&](const AttentionParams& p, const Options::Polls& polls,
+                  const AttentionRows& rows) {
     polls.Apply(&pool);
     pool.ParallelFor(pool.num_threads(), [](int64_t) {});
-    if (o.cold) flusher->Flush(*st.cache, st.rows);
+    if (o.cold) flusher->Flush(*st.cache, rows);
     const double t = Now();
-    (void)PagedAttention(*st.cache, 0, st.q, st.rows, p, &pool, &out);
+    (void)PagedAttention(*st.cache, 0, st.q, rows, p, &pool, &out);
     return Now() - t;
   };
   std::vector<double> ratios;
@@ -600,9 +644,9 @@ AbResult MeasureAb(DType dtype, int64_t ctx, int64_t batch, int threads,
     // Which one goes first alternates too, so that neither always follows
     // the flush's or the other call's cache state.
     const bool a_first = ratios.size() % 2 == 0;
-    const double ta = a_first ? call(o.params, o.polls) : 0;
-    const double tb = call(o.vs, o.vs_polls);
-    const double ta2 = a_first ? ta : call(o.params, o.polls);
+    const double ta = a_first ? call(o.params, o.polls, st.rows) : 0;
+    const double tb = call(o.vs, o.vs_polls, st.vs_rows);
+    const double ta2 = a_first ? ta : call(o.params, o.polls, st.rows);
     best_a = std::min(best_a, ta2);
     best_b = std::min(best_b, tb);
     ratios.push_back(tb / ta2);
@@ -648,8 +692,7 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "--pool_mib must be >= 0\n");
         return 2;
       }
-    } else if (a == "--tables=sequential" || a == "--tables=random") {
-      o.sequential_tables = a == "--tables=sequential";
+    } else if (kvstep::ParseTables(a, &o.tables)) {
     } else if (const char* v = value("--flush_mib=")) {
       flush_mib = std::stoll(v);
       if (flush_mib < 1) {
@@ -698,13 +741,16 @@ int main(int argc, char** argv) {
     o.ab = true;
     o.vs = o.params;
     o.vs_polls = o.polls;
-    if (!kvstep::ParsePollFlag(vs_flag, &o.vs_polls) &&
-        !kvstep::ParseParamFlag(vs_flag, &o.vs)) {
+    o.vs_tables = o.tables;
+    if (kvstep::ParseTables(vs_flag, &o.vs_tables)) {
+      // B's tables
+    } else if (!kvstep::ParsePollFlag(vs_flag, &o.vs_polls) &&
+               !kvstep::ParseParamFlag(vs_flag, &o.vs)) {
       std::fprintf(stderr,
                    "--vs takes isa=..., kernel=..., prefetch=..., "
                    "bf16_keys=..., amx=..., touch_min_mib=..., "
-                   "touch_min_blocks=..., pool_poll_us=... or "
-                   "pool_idle_poll_us=..., not %s\n",
+                   "touch_min_blocks=..., pool_poll_us=..., "
+                   "pool_idle_poll_us=... or tables=..., not %s\n",
                    vs_flag.c_str() + 2);
       return 2;
     }
@@ -742,8 +788,7 @@ int main(int argc, char** argv) {
       "16, %s block tables; ",
       o.layout == kvstep::CacheLayout::kVllm ? "vllm" : "nhd",
       kvstep::Describe(o.params).c_str(), o.polls.Describe().c_str(),
-      static_cast<long>(o.kv_heads),
-      o.sequential_tables ? "sequential" : "random");
+      static_cast<long>(o.kv_heads), kvstep::TablesName(o.tables));
   if (o.cold && flusher.lines()) {
     std::printf(
         "cold caches (before each call, untimed: the case's K/V lines "
@@ -765,10 +810,11 @@ int main(int argc, char** argv) {
   }
   if (o.ab) {
     std::printf(
-        "A/B: A = %s, %s; B = %s, %s; called alternately; \"B/A\" is the "
-        "median over pairs of B's time / A's\n",
+        "A/B: A = %s, %s, %s tables; B = %s, %s, %s tables; called "
+        "alternately; \"B/A\" is the median over pairs of B's time / A's\n",
         kvstep::Describe(o.params).c_str(), o.polls.Describe().c_str(),
-        kvstep::Describe(o.vs).c_str(), o.vs_polls.Describe().c_str());
+        kvstep::TablesName(o.tables), kvstep::Describe(o.vs).c_str(),
+        o.vs_polls.Describe().c_str(), kvstep::TablesName(o.vs_tables));
     std::printf("%-9s %7s %6s %8s %10s %10s %7s %6s\n", "dtype", "context",
                 "batch", "threads", "A best us", "B best us", "B/A", "pairs");
   } else {
