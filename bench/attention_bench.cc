@@ -678,8 +678,9 @@ int main(int argc, char** argv) {
     } else if (a == "--no_baseline") {
       baseline = false;
     } else if (kvstep::ParseParamFlag(a, &o.params) ||
-               kvstep::ParsePollFlag(a, &o.polls)) {
-      // Taken by either parser.
+               kvstep::ParsePollFlag(a, &o.polls) ||
+               kvstep::ParseTables(a, &o.tables)) {
+      // Taken by one of the parsers.
     } else if (const char* v = value("--vs=")) {
       vs_flag = std::string("--") + v;
     } else if (a == "--layout=nhd") {
@@ -692,7 +693,6 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "--pool_mib must be >= 0\n");
         return 2;
       }
-    } else if (kvstep::ParseTables(a, &o.tables)) {
     } else if (const char* v = value("--flush_mib=")) {
       flush_mib = std::stoll(v);
       if (flush_mib < 1) {
@@ -742,10 +742,9 @@ int main(int argc, char** argv) {
     o.vs = o.params;
     o.vs_polls = o.polls;
     o.vs_tables = o.tables;
-    if (kvstep::ParseTables(vs_flag, &o.vs_tables)) {
-      // B's tables
-    } else if (!kvstep::ParsePollFlag(vs_flag, &o.vs_polls) &&
-               !kvstep::ParseParamFlag(vs_flag, &o.vs)) {
+    if (!kvstep::ParseTables(vs_flag, &o.vs_tables) &&
+        !kvstep::ParsePollFlag(vs_flag, &o.vs_polls) &&
+        !kvstep::ParseParamFlag(vs_flag, &o.vs)) {
       std::fprintf(stderr,
                    "--vs takes isa=..., kernel=..., prefetch=..., "
                    "bf16_keys=..., amx=..., touch_min_mib=..., "
