@@ -6,8 +6,8 @@
 // the start, read and copy bandwidth over a warm 1 GiB buffer). Geometry:
 // 32 query heads over 8 KV heads (GQA 4; --kv_heads changes it), head 128,
 // block 16, random block tables (--tables changes them); the pool is
-// pre-touched and advised to use huge pages. The goal: >= 80% of read bandwidth for contexts of 1k and
-// longer.
+// pre-touched and advised to use huge pages. The goal: >= 80% of read bandwidth
+// for contexts of 1k and longer.
 //
 //   build/bench/attention_bench [--full] [--seconds=0.3] [--layout=nhd]
 //       [--no_baseline]
