@@ -397,7 +397,7 @@ constexpr size_t kReadBytes = size_t{256} << 20;
 struct Setup {
   std::unique_ptr<KvCache> cache;
   AttentionRows rows;
-  AttentionRows vs_rows;  // rows with the A/B's B tables (same cache)
+  AttentionRows vs_rows;  // --vs only: rows with B's tables (same cache)
   Tensor q;
   double work;
 };
@@ -501,8 +501,10 @@ Setup MakeSetup(DType dtype, int64_t ctx, int64_t batch, const Options& o) {
   const int64_t nq = o.prefill > 0 ? std::min(o.prefill, ctx) : 1;
   for (int64_t r = 0; r <= batch; ++r) rows.query_start.push_back(r * nq);
   rows.seq_lens.assign(batch, ctx);
-  st.vs_rows = rows;
-  st.vs_rows.block_tables = tables(o.vs_tables);
+  if (o.ab) {
+    st.vs_rows = rows;
+    st.vs_rows.block_tables = tables(o.vs_tables);
+  }
   // fp8 caches are read with bf16 queries (and outputs) by default.
   const DType act = o.query != DType::kInvalid ? o.query
                     : DTypeSize(dtype) == 1    ? DType::kBFloat16
