@@ -17,7 +17,7 @@
 //       [--prefill=N] [--warm] [--vs=isa=avx2|kernel=v1|kernel=v2|...]
 //       [--pool_mib=N] [--tables=random|sorted|sequential]
 //       [--prefetch=auto|nta|t0|t1] [--flush_mib=N]
-//       [--bf16_keys=auto|dot|widen] [--amx=on|off]
+//       [--bf16_keys=auto|dot|widen] [--amx=on|off] [--fp8_dot=on|off]
 //       [--touch_min_mib=N] [--touch_min_blocks=N] [--pool_poll_us=N]
 //       [--pool_idle_poll_us=N]
 //       [--query=bfloat16|float16|float32]
@@ -45,6 +45,7 @@
 // round's read pass (about 8 ms) is never bridged.
 //
 // --vs=FLAG (any of --isa=, --kernel=, --prefetch=, --bf16_keys=, --amx=,
+// --fp8_dot=,
 // --touch_min_mib=, --touch_min_blocks=, --pool_poll_us=,
 // --pool_idle_poll_us=, --tables=) times a second configuration call by call
 // against the first, in the same process and on the same cache: A, B, A, B, ...
@@ -289,6 +290,9 @@ std::string Describe(const AttentionParams& p) {
          (p.amx && kvstep::AmxSupported()
               ? ", AMX for 16-bit prefill chunks (beyond the FMA peak)"
               : "") +
+         (p.fp8_dot && kvstep::Fp8DotSupported()
+              ? ", fp8 keys by VDPBF16PS (bf16 and fp16 queries)"
+              : "") +
          ", slice touch " +
          (p.touch_min_bytes < 0 && p.touch_min_blocks < 0
               ? std::string("auto")
@@ -298,6 +302,7 @@ std::string Describe(const AttentionParams& p) {
 }
 
 // --isa=..., --kernel=..., --prefetch=..., --bf16_keys=..., --amx=...,
+// --fp8_dot=...,
 // --touch_min_mib=N and --touch_min_blocks=N into *p; false for any other
 // flag.
 bool ParseParamFlag(const std::string& a, AttentionParams* p) {
@@ -325,6 +330,8 @@ bool ParseParamFlag(const std::string& a, AttentionParams* p) {
     p->bf16_keys = AttentionParams::Bf16Keys::kAuto;
   } else if (a == "--amx=on" || a == "--amx=off") {
     p->amx = a == "--amx=on";
+  } else if (a == "--fp8_dot=on" || a == "--fp8_dot=off") {
+    p->fp8_dot = a == "--fp8_dot=on";
   } else if (a.rfind("--touch_min_mib=", 0) == 0) {
     const int64_t mib = std::stoll(a.substr(16));  // < 0: auto
     p->touch_min_bytes = mib < 0 ? -1 : mib << 20;
@@ -749,7 +756,7 @@ int main(int argc, char** argv) {
         !kvstep::ParseParamFlag(vs_flag, &o.vs)) {
       std::fprintf(stderr,
                    "--vs takes isa=..., kernel=..., prefetch=..., "
-                   "bf16_keys=..., amx=..., touch_min_mib=..., "
+                   "bf16_keys=..., amx=..., fp8_dot=..., touch_min_mib=..., "
                    "touch_min_blocks=..., pool_poll_us=..., "
                    "pool_idle_poll_us=... or tables=..., not %s\n",
                    vs_flag.c_str() + 2);

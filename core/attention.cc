@@ -247,6 +247,9 @@ std::atomic<int64_t> converting_redos{0};
 // internal::AmxPasses.
 std::atomic<int64_t> amx_passes{0};
 
+// fp8 K passes that ran on VDPBF16PS, for tests: internal::Fp8DotPasses.
+std::atomic<int64_t> fp8_dot_passes{0};
+
 // Whether this CPU's vendor is AMD (or Hygon, whose cores are AMD's Zen):
 // the kernel's choices that were measured to differ by CPU (the prefetch
 // hint and the slice touch; see AttentionParams) take the Zen 5 ones
@@ -313,8 +316,10 @@ AttentionParams::Bf16Keys ResolveBf16Keys(AttentionParams::Bf16Keys k) {
 #define KVSTEP_TARGET_POP() KVSTEP_PRAGMA(GCC pop_options)
 #endif
 
-// Whether this CPU and OS run AMX-BF16 (defined below).
+// Whether this CPU and OS run AMX-BF16, and the AVX-512 build plus
+// AVX512-VBMI (defined below).
 bool AmxUsable();
+bool Fp8DotUsable();
 
 // AMX for prefill chunks of 16-bit caches in the vLLM layout (Logits,
 // Values). TDPBF16PS multiplies bf16 tiles exactly into fp32 sums (as
@@ -847,6 +852,14 @@ KVSTEP_AMX_TARGET void Values(const Tile16* tiles, int64_t ntiles, int64_t bs,
 
 }  // namespace amx
 
+// The fp8 keys' VDPBF16PS pass (LogitsFp8Dot) adds AVX512-VBMI (VPERMI2B)
+// to the AVX-512 build's features, in its own functions only: those run
+// where Fp8DotUsable, and the rest of the build also on CPUs without VBMI
+// (Cooper Lake has AVX512-BF16 but not VBMI).
+#define KVSTEP_FP8_DOT_TARGET                                               \
+  __attribute__((                                                           \
+      target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c," \
+             "avx512vbmi")))
 KVSTEP_TARGET_PUSH(
     "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
 #define KVSTEP_ATTN_NS avx512
@@ -926,10 +939,21 @@ bool AmxUsable() {
   }();
   return usable;
 }
+bool Fp8DotUsable() {
+  static const bool usable = [] {
+    // CPUID.(7,0):ECX[1] AVX512-VBMI.
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    return HasAvx512() &&
+           __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) != 0 &&
+           (ecx & (1u << 1)) != 0;
+  }();
+  return usable;
+}
 #else
 bool HasAvx2() { return false; }
 bool HasAvx512() { return false; }
 bool AmxUsable() { return false; }
+bool Fp8DotUsable() { return false; }
 #endif
 
 // The instruction set a request runs on: kBest resolved, else as asked
@@ -1195,6 +1219,7 @@ bool IsaSupported(AttentionParams::Isa isa) {
 AttentionParams::Isa BestIsa() { return Resolve(Isa::kBest); }
 
 bool AmxSupported() { return AmxUsable(); }
+bool Fp8DotSupported() { return Fp8DotUsable(); }
 
 const char* IsaName(AttentionParams::Isa isa) {
   switch (isa) {
@@ -1266,6 +1291,7 @@ void ConvertCacheElements(DType dtype, const void* src, int64_t n, float scale,
 int64_t ConvertingRedos() { return converting_redos.load(); }
 
 int64_t AmxPasses() { return amx_passes.load(); }
+int64_t Fp8DotPasses() { return fp8_dot_passes.load(); }
 
 int64_t ClaimSize(int64_t n, int64_t kvh, int64_t threads) {
   return kvstep::ClaimSize(n, kvh, threads);
@@ -1294,6 +1320,22 @@ bool SplitHalvesForTest(const uint16_t* src, int64_t n, float* out) {
   if (IsaSupported(Isa::kAvx512)) return avx512::SplitHalfRow(src, n, out);
 #endif
   std::abort();  // the test checks IsaSupported(kAvx512) first
+}
+
+bool Fp8ToBf16ForTest(DType dtype, const uint8_t* src, int64_t n,
+                      uint16_t* out) {
+#ifdef KVSTEP_ATTN_X86
+  if (!Fp8DotUsable()) return false;
+  if (dtype == DType::kFp8E4M3) {
+    avx512::Fp8Bf16Row<CacheElem<DType::kFp8E4M3>>(src, n, out);
+    return true;
+  }
+  if (dtype == DType::kFp8E5M2) {
+    avx512::Fp8Bf16Row<CacheElem<DType::kFp8E5M2>>(src, n, out);
+    return true;
+  }
+#endif
+  return false;
 }
 
 int64_t AmxQueryPartsForTest(DType dtype, const void* src, int64_t n,

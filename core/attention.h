@@ -118,6 +118,17 @@ struct AttentionParams {
   // (session 12) and 1.9-2x less for fp16 (session 13; docs/attention.md).
   // false: the FMA passes (tests, benchmarks).
   bool amx = true;
+  // Whether the AVX-512 build may multiply fp8 keys (vLLM layout, head
+  // sizes that are multiples of 16) by a bf16 or fp16 query with
+  // VDPBF16PS where the CPU has AVX512-VBMI (Fp8DotSupported): two byte
+  // lookups (VPERMI2B) turn 64 fp8 keys into their exact bf16 values, and
+  // the unscaled query goes in as one bf16 part (bf16) or two exact ones
+  // (fp16), so products are exact and sums fp32, as in the converting
+  // pass. fp32 queries, and every query where this is false or the CPU
+  // lacks VBMI, take the converting pass (LogitsFp8Z). The K pass's
+  // arithmetic per 64 bytes drops from 12 integer ops and 16 FMAs to 5
+  // and 8 (docs/attention.md, session 17). false: for A/B runs and tests.
+  bool fp8_dot = true;
 };
 
 // Whether this CPU runs `isa` (kBest and kPortable: always), its name, and
@@ -133,6 +144,9 @@ const char* PrefetchName(AttentionParams::Prefetch prefetch);
 bool ParsePrefetch(absl::string_view name, AttentionParams::Prefetch* out);
 // Whether this CPU and OS run AMX-BF16 (AttentionParams::amx).
 bool AmxSupported();
+// Whether this CPU runs the fp8 keys' VDPBF16PS pass (AttentionParams::
+// fp8_dot): the AVX-512 build and AVX512-VBMI.
+bool Fp8DotSupported();
 // What kAuto multiplies bf16 keys with on this CPU (never kAuto).
 AttentionParams::Bf16Keys BestBf16Keys();
 
@@ -184,6 +198,12 @@ bool SplitHalvesForTest(const uint16_t* src, int64_t n, float* out);
 // IsaSupported(kAvx512): the split needs AVX-512 BF16, not AMX.
 int64_t AmxQueryPartsForTest(DType dtype, const void* src, int64_t n,
                              uint16_t* out);
+// The fp8 VDPBF16PS pass's conversion (Fp8ToBf16Z in
+// core/attention_kernel.inc) of n bytes (a multiple of 64) of an fp8
+// `dtype` to bf16 bits, in order: false (nothing written) where the CPU
+// lacks it (Fp8DotSupported) or dtype is not fp8.
+bool Fp8ToBf16ForTest(DType dtype, const uint8_t* src, int64_t n,
+                      uint16_t* out);
 // The softmax's exp (FastExp in attention.cc: x <= 0, 0 at or below -87
 // and for NaN) over n floats (n a multiple of 16) by the vector loop of
 // `isa`'s build (callers check IsaSupported), and the scalar one, for a
@@ -198,6 +218,9 @@ int64_t ConvertingRedos();
 // How many K or V passes of prefill chunks ran on AMX (AttentionParams::amx)
 // since the process started.
 int64_t AmxPasses();
+// How many fp8 K passes ran on VDPBF16PS (AttentionParams::fp8_dot) since
+// the process started.
+int64_t Fp8DotPasses();
 // How many consecutive (row, KV head) items of n a thread claims at a time
 // (kvh KV heads a row, `threads` threads); see attention.cc.
 int64_t ClaimSize(int64_t n, int64_t kvh, int64_t threads);

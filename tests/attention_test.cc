@@ -10,6 +10,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <tuple>
 #include <utility>
@@ -218,6 +219,44 @@ TEST(FloatConvert, Avx512HalfPairsAreExactAndFlagInfAndNan) {
 // exactly: every finite fp16 code, and fp32 values of random mantissas
 // over exponents -90 to 90 (below bf16's normal range a part would be
 // flushed). Inf and NaN stay in the first part, the others 0.
+// The fp8 VDPBF16PS pass's byte lookups (Fp8ToBf16Z) over every byte of
+// both fp8 formats, each at every position of a 64-byte load: the bf16
+// bits of the byte's exact value (subnormals included: a flushed or
+// misplaced one would move a logit by far less than the attention tests
+// resolve), NaN for NaN and Inf for Inf.
+TEST(FloatConvert, Fp8BytesToBf16ExactlyForTheDotPass) {
+  if (!Fp8DotSupported()) {
+    GTEST_SKIP() << "this CPU lacks AVX-512 BF16 or VBMI: the fp8 keys take "
+                    "the converting pass, which the other tests check";
+  }
+  for (DType dtype : {DType::kFp8E4M3, DType::kFp8E5M2}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    // Every byte at every position of a 64-byte load, over 64 shifts.
+    for (int shift = 0; shift < 64; ++shift) {
+      std::vector<uint8_t> src(256);
+      for (int i = 0; i < 256; ++i) src[i] = static_cast<uint8_t>(i + shift);
+      std::vector<uint16_t> out(256, 0x1234);
+      ASSERT_TRUE(
+          internal::Fp8ToBf16ForTest(dtype, src.data(), 256, out.data()));
+      for (int i = 0; i < 256; ++i) {
+        const float want = dtype == DType::kFp8E4M3 ? Fp8E4M3ToFloat(src[i])
+                                                    : Fp8E5M2ToFloat(src[i]);
+        const float got = BF16ToFloat(out[i]);
+        if (std::isnan(want)) {
+          ASSERT_TRUE(std::isnan(got)) << "byte " << int{src[i]};
+        } else {
+          ASSERT_EQ(got, want) << "byte " << int{src[i]} << " at " << i;
+          // Zero keeps its sign too.
+          ASSERT_EQ(std::signbit(got), std::signbit(want)) << int{src[i]};
+        }
+      }
+    }
+  }
+  const uint8_t bytes[64] = {};
+  uint16_t out[64];
+  EXPECT_FALSE(internal::Fp8ToBf16ForTest(DType::kBFloat16, bytes, 64, out));
+}
+
 TEST(FloatConvert, AmxPartsSumToTheElementExactly) {
   if (!IsaSupported(AttentionParams::Isa::kAvx512)) {
     GTEST_SKIP() << "no AVX-512 BF16 on this CPU: the split does not run here";
@@ -797,14 +836,18 @@ TEST(PagedAttention, Fp16InfAndNanInTheCacheAndHugeQueries) {
 }
 
 // fp8 caches on the AVX-512 build's 16-lane passes, which read each byte's
-// bits as a float's and check the bytes of tokens in range for Inf and NaN
-// themselves: against the portable build (which converts every element),
-// with unwritten slots holding NaN bytes (which must not send a pass to
-// the 8-wide redo), a NaN or Inf key or value byte at a token in range
-// (which must), and a query that its scaling by 2^56 or 2^60 would
-// overflow (which must too). One decode row of 40 tokens, GQA 4, block
-// sizes 16 (16-token key tiles, 16-lane values) and 8 (8-token key tiles,
-// 8-wide values); token 21 is a whole block's in both.
+// bits as a float's (or, LogitsFp8Dot, look up its bf16 value) and check
+// the bytes of tokens in range for Inf and NaN themselves: against the
+// portable build (which converts every element), with unwritten slots
+// holding NaN bytes (which must not send a pass to the 8-wide redo), a NaN
+// or Inf key or value byte at a token in range (which must), and an fp32
+// or bf16 query that the converting pass's scaling by 2^56 or 2^60 would
+// overflow (which must send that pass to the redo too, but not the
+// VDPBF16PS one, which does not scale the query). fp32, bf16 and fp16
+// queries (the last two take LogitsFp8Dot where the CPU has VBMI). One
+// decode row of 40 tokens, GQA 4, block sizes 16 (16-token key tiles,
+// 16-lane values) and 8 (8-token key tiles, 8-wide values); token 21 is a
+// whole block's in both.
 TEST(PagedAttention, Fp8SpecialBytesUnwrittenSlotsAndHugeQueries) {
   if (!IsaSupported(AttentionParams::Isa::kAvx512)) {
     GTEST_SKIP() << "no AVX-512 on this CPU: the portable build is the only "
@@ -813,88 +856,211 @@ TEST(PagedAttention, Fp8SpecialBytesUnwrittenSlotsAndHugeQueries) {
   const int64_t D = 128, H = 8, KV = 2, n = 40;
   enum class Odd { kNone, kKey, kValue, kQuery };
   for (DType dtype : {DType::kFp8E4M3, DType::kFp8E5M2}) {
-    // NaN in both formats; e5m2's Inf (0x7c) too.
-    const std::vector<uint8_t> specials =
-        dtype == DType::kFp8E4M3 ? std::vector<uint8_t>{0x7f, 0xff}
-                                 : std::vector<uint8_t>{0x7c, 0xfc, 0x7f};
-    for (int64_t bs : {16, 8}) {
-      for (Odd odd : {Odd::kNone, Odd::kKey, Odd::kValue, Odd::kQuery}) {
-        for (uint8_t special : specials) {
-          if ((odd == Odd::kNone || odd == Odd::kQuery) &&
-              special != specials[0]) {
-            continue;
+    for (DType act : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+      const bool dot = Fp8DotSupported() && act != DType::kFloat32;
+      // NaN in both formats; e5m2's Inf (0x7c) too.
+      const std::vector<uint8_t> specials =
+          dtype == DType::kFp8E4M3 ? std::vector<uint8_t>{0x7f, 0xff}
+                                   : std::vector<uint8_t>{0x7c, 0xfc, 0x7f};
+      for (int64_t bs : {16, 8}) {
+        for (Odd odd : {Odd::kNone, Odd::kKey, Odd::kValue, Odd::kQuery}) {
+          for (uint8_t special : specials) {
+            if ((odd == Odd::kNone || odd == Odd::kQuery) &&
+                special != specials[0]) {
+              continue;
+            }
+            // No fp16 query overflows the scaling (its largest, 65504,
+            // times 2^60 is finite), and one near that size would only
+            // measure how far fp32 sums of a 1e5 term and small ones drift
+            // with their order.
+            if (odd == Odd::kQuery && act == DType::kFloat16) continue;
+            SCOPED_TRACE(::testing::Message()
+                         << DTypeName(dtype) << " query " << DTypeName(act)
+                         << " block " << bs << " odd " << static_cast<int>(odd)
+                         << " byte " << static_cast<int>(special));
+            const int64_t num_blocks = 2 * n / bs + 2;
+            auto cache = SmallCache(dtype, num_blocks, bs, KV, D);
+            std::memset(cache->key(0).raw_data(), 0xff, cache->key(0).nbytes());
+            std::memset(cache->value(0).raw_data(), 0xff,
+                        cache->value(0).nbytes());
+            std::mt19937_64 rng(static_cast<uint64_t>(bs));
+            std::uniform_real_distribution<float> uni(-1, 1);
+            std::vector<float> kraw(n * KV * D), vraw(n * KV * D), qraw(H * D);
+            for (auto* v : {&kraw, &vraw, &qraw}) {
+              for (float& x : *v) x = uni(rng);
+            }
+            if (odd == Odd::kQuery) qraw[7] = 1e30f;
+            std::vector<int64_t> table;
+            for (int64_t b = 0; b < (n + bs - 1) / bs; ++b) {
+              table.push_back(num_blocks - 1 - 2 * b);
+            }
+            const AttentionRows rows = OneDecodeRow(n, std::move(table));
+            const std::vector<int64_t> slots = RowSlots(rows, 0, bs);
+            ASSERT_TRUE(
+                ReshapeAndCache(*cache, 0,
+                                Activations(DType::kFloat32, {n, KV, D}, kraw),
+                                Activations(DType::kFloat32, {n, KV, D}, vraw),
+                                slots, 0.5f, 0.25f)
+                    .ok());
+            // Token 21 (a whole block's, in both block sizes), KV head 1,
+            // dim 19 (the second 16-dim chunk of keys).
+            const int64_t tok = 21, b = rows.block_tables[tok / bs];
+            if (odd == Odd::kKey) {
+              static_cast<uint8_t*>(cache->key(0).raw_data())
+                  [(((b * KV + 1) * (D / 16) + 19 / 16) * bs + tok % bs) * 16 +
+                   19 % 16] = special;
+            } else if (odd == Odd::kValue) {
+              static_cast<uint8_t*>(
+                  cache->value(0)
+                      .raw_data())[((b * KV + 1) * D + 19) * bs + tok % bs] =
+                  special;
+            }
+            // As a writer that stores bytes directly must (KvCache::
+            // MayHoldNonFinite); in every case, so that the NaN of the
+            // unwritten slots is checked for being skipped too.
+            cache->NoteNonFinite(0);
+            const Tensor q = Activations(act, {1, H, D}, qraw);
+            Tensor outs[2];
+            const int64_t before = internal::ConvertingRedos();
+            const int64_t dots = internal::Fp8DotPasses();
+            for (int k = 0; k < 2; ++k) {
+              AttentionParams p;
+              p.k_scale = 0.5f;
+              p.v_scale = 0.25f;
+              p.isa = k == 0 ? AttentionParams::Isa::kAvx512
+                             : AttentionParams::Isa::kPortable;
+              ASSERT_TRUE(
+                  PagedAttention(*cache, 0, q, rows, p, nullptr, &outs[k])
+                      .ok());
+            }
+            // Values of block size 8 always take the 8-wide pass.
+            const bool redo = odd == Odd::kKey ||
+                              (odd == Odd::kValue && bs != 8) ||
+                              (odd == Odd::kQuery && !dot);
+            if (redo) {
+              EXPECT_GT(internal::ConvertingRedos(), before);
+            } else {
+              EXPECT_EQ(internal::ConvertingRedos(), before);
+            }
+            // The K pass of each KV head ran by VDPBF16PS (or began to, and
+            // found a special key byte).
+            EXPECT_EQ(internal::Fp8DotPasses() - dots, dot ? KV : 0);
+            // Both outputs are in the query's dtype, each rounded once from
+            // fp32: one ulp of it on top.
+            const double ulp = act == DType::kFloat16    ? std::ldexp(1.0, -10)
+                               : act == DType::kBFloat16 ? std::ldexp(1.0, -7)
+                                                         : 0.0;
+            for (int64_t i = 0; i < H * D; ++i) {
+              const float got = Act(outs[0], i);
+              const float want = Act(outs[1], i);
+              if (!std::isfinite(want)) {
+                EXPECT_FALSE(std::isfinite(got)) << "element " << i;
+              } else {
+                ASSERT_NEAR(got, want, 1e-4 + (1e-4 + ulp) * std::fabs(want))
+                    << "element " << i;
+              }
+            }
           }
-          SCOPED_TRACE(::testing::Message()
-                       << DTypeName(dtype) << " block " << bs << " odd "
-                       << static_cast<int>(odd) << " byte "
-                       << static_cast<int>(special));
-          const int64_t num_blocks = 2 * n / bs + 2;
-          auto cache = SmallCache(dtype, num_blocks, bs, KV, D);
-          std::memset(cache->key(0).raw_data(), 0xff, cache->key(0).nbytes());
-          std::memset(cache->value(0).raw_data(), 0xff,
-                      cache->value(0).nbytes());
-          std::mt19937_64 rng(static_cast<uint64_t>(bs));
-          std::uniform_real_distribution<float> uni(-1, 1);
-          std::vector<float> kraw(n * KV * D), vraw(n * KV * D), qraw(H * D);
-          for (auto* v : {&kraw, &vraw, &qraw}) {
-            for (float& x : *v) x = uni(rng);
-          }
-          if (odd == Odd::kQuery) qraw[7] = 1e30f;
-          std::vector<int64_t> table;
-          for (int64_t b = 0; b < (n + bs - 1) / bs; ++b) {
-            table.push_back(num_blocks - 1 - 2 * b);
-          }
-          const AttentionRows rows = OneDecodeRow(n, std::move(table));
-          const std::vector<int64_t> slots = RowSlots(rows, 0, bs);
-          ASSERT_TRUE(
-              ReshapeAndCache(*cache, 0,
+        }
+      }
+    }
+  }
+}
+
+// The fp8 K pass by VDPBF16PS (LogitsFp8Dot: bf16 and fp16 queries where
+// the CPU has VBMI) against the converting one (fp8_dot off), on the same
+// cache and query: both take exact products and fp32 sums, so they differ
+// by summation order and the converting pass's rounding of the scaled
+// query only, far inside vLLM's fp8 tolerance, which a wrong lane, dim or
+// byte would not be. Keys and values span fp8's subnormals up to its
+// largest normals (the lookup tables' every region), unwritten slots hold
+// NaN bytes, and the layer is flagged (so the passes check the bytes in
+// range) or not. Decoding and a 5-token prefill chunk, a partial last
+// block, block sizes 8, 16 and 32, head sizes 128, 80 and 64, GQA 4, 3 and
+// MHA; an fp32 query must not take the VDPBF16PS pass.
+TEST(PagedAttention, Fp8KeysByDotProductsMatchTheConvertingPass) {
+  if (!IsaSupported(AttentionParams::Isa::kAvx512)) {
+    GTEST_SKIP() << "no AVX-512 on this CPU: the fp8 VDPBF16PS pass is "
+                    "part of the AVX-512 build";
+  }
+  const int64_t n = 70;
+  const float kscale = 0.02f, vscale = 0.03f;
+  for (DType dtype : {DType::kFp8E4M3, DType::kFp8E5M2}) {
+    for (DType act : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+      for (int64_t bs : {8, 16, 32}) {
+        for (auto [D, H, KV] :
+             {std::tuple<int64_t, int64_t, int64_t>{128, 8, 2},
+              {80, 6, 2},
+              {64, 4, 4}}) {
+          for (int64_t ntok : {1, 5}) {
+            for (bool flagged : {false, true}) {
+              SCOPED_TRACE(::testing::Message()
+                           << DTypeName(dtype) << " query " << DTypeName(act)
+                           << " block " << bs << " head " << D << " heads " << H
+                           << "/" << KV << " tokens " << ntok << " flagged "
+                           << flagged);
+              const int64_t width = (n + bs - 1) / bs;
+              const int64_t num_blocks = 2 * width + 1;
+              auto cache = SmallCache(dtype, num_blocks, bs, KV, D);
+              std::memset(cache->key(0).raw_data(), 0xff,
+                          cache->key(0).nbytes());
+              std::memset(cache->value(0).raw_data(), 0xff,
+                          cache->value(0).nbytes());
+              if (flagged) cache->NoteNonFinite(0);
+              std::mt19937_64 rng(static_cast<uint64_t>(bs * 1000 + D + ntok));
+              std::uniform_real_distribution<float> uni(-1, 1);
+              std::uniform_int_distribution<int> exp2(-14, 0);
+              std::vector<float> kraw(n * KV * D), vraw(n * KV * D),
+                  qraw(ntok * H * D);
+              // Magnitudes from 2^-14 up: fp8 values (over the scales)
+              // from subnormal to near the largest normal.
+              for (auto* v : {&kraw, &vraw}) {
+                for (float& x : *v) x = std::ldexp(uni(rng), exp2(rng));
+              }
+              for (float& x : qraw) x = uni(rng);
+              std::vector<int64_t> perm(num_blocks);
+              std::iota(perm.begin(), perm.end(), 0);
+              std::shuffle(perm.begin(), perm.end(), rng);
+              perm.resize(width);
+              AttentionRows rows = OneDecodeRow(n, perm);
+              rows.query_start = {0, ntok};
+              const std::vector<int64_t> slots = RowSlots(rows, 0, bs);
+              ASSERT_TRUE(ReshapeAndCache(
+                              *cache, 0,
                               Activations(DType::kFloat32, {n, KV, D}, kraw),
                               Activations(DType::kFloat32, {n, KV, D}, vraw),
-                              slots, 0.5f, 0.25f)
-                  .ok());
-          // Token 21 (a whole block's, in both block sizes), KV head 1,
-          // dim 19 (the second 16-dim chunk of keys).
-          const int64_t tok = 21, b = rows.block_tables[tok / bs];
-          if (odd == Odd::kKey) {
-            static_cast<uint8_t*>(cache->key(0).raw_data())
-                [(((b * KV + 1) * (D / 16) + 19 / 16) * bs + tok % bs) * 16 +
-                 19 % 16] = special;
-          } else if (odd == Odd::kValue) {
-            static_cast<uint8_t*>(
-                cache->value(0)
-                    .raw_data())[((b * KV + 1) * D + 19) * bs + tok % bs] =
-                special;
-          }
-          // As a writer that stores bytes directly must (KvCache::
-          // MayHoldNonFinite); in every case, so that the NaN of the
-          // unwritten slots is checked for being skipped too.
-          cache->NoteNonFinite(0);
-          const Tensor q = Activations(DType::kFloat32, {1, H, D}, qraw);
-          Tensor outs[2];
-          const int64_t before = internal::ConvertingRedos();
-          for (int k = 0; k < 2; ++k) {
-            AttentionParams p;
-            p.k_scale = 0.5f;
-            p.v_scale = 0.25f;
-            p.isa = k == 0 ? AttentionParams::Isa::kAvx512
-                           : AttentionParams::Isa::kPortable;
-            ASSERT_TRUE(
-                PagedAttention(*cache, 0, q, rows, p, nullptr, &outs[k]).ok());
-          }
-          // Values of block size 8 always take the 8-wide pass.
-          if (odd == Odd::kNone || (odd == Odd::kValue && bs == 8)) {
-            EXPECT_EQ(internal::ConvertingRedos(), before);
-          } else {
-            EXPECT_GT(internal::ConvertingRedos(), before);
-          }
-          for (int64_t i = 0; i < H * D; ++i) {
-            const float got = outs[0].data<float>()[i];
-            const float want = outs[1].data<float>()[i];
-            if (!std::isfinite(want)) {
-              EXPECT_FALSE(std::isfinite(got)) << "element " << i;
-            } else {
-              ASSERT_NEAR(got, want, 1e-4 + 1e-4 * std::fabs(want))
-                  << "element " << i;
+                              slots, kscale, vscale)
+                              .ok());
+              const Tensor q = Activations(act, {ntok, H, D}, qraw);
+              Tensor outs[2];
+              const int64_t redos = internal::ConvertingRedos();
+              const int64_t dots = internal::Fp8DotPasses();
+              for (int k = 0; k < 2; ++k) {
+                AttentionParams p;
+                p.k_scale = kscale;
+                p.v_scale = vscale;
+                p.isa = AttentionParams::Isa::kAvx512;
+                p.fp8_dot = k == 0;
+                ASSERT_TRUE(
+                    PagedAttention(*cache, 0, q, rows, p, nullptr, &outs[k])
+                        .ok());
+              }
+              EXPECT_EQ(internal::ConvertingRedos(), redos);
+              const bool dot =
+                  Fp8DotSupported() && act != DType::kFloat32 && D % 16 == 0;
+              // One K pass per KV head (decoding, or the chunk's tokens
+              // together).
+              EXPECT_EQ(internal::Fp8DotPasses() - dots, dot ? KV : 0);
+              const double ulp = act == DType::kFloat16 ? std::ldexp(1.0, -10)
+                                 : act == DType::kBFloat16 ? std::ldexp(1.0, -7)
+                                                           : 0.0;
+              for (int64_t i = 0; i < ntok * H * D; ++i) {
+                const double got = Act(outs[0], i);
+                const double want = Act(outs[1], i);
+                ASSERT_TRUE(std::isfinite(got)) << "element " << i;
+                ASSERT_NEAR(got, want, 1e-6 + (1e-5 + ulp) * std::fabs(want))
+                    << "element " << i;
+              }
             }
           }
         }
