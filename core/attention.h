@@ -51,7 +51,7 @@ struct AttentionParams {
   // woken thread cost more than it saved (docs/attention.md). 0: always
   // use the pool (tests of the threaded paths).
   int64_t parallel_min_bytes = int64_t{4} << 20;
-  // The slice touch (vLLM layout, 16- and 32-bit caches): an item of at
+  // The slice touch (vLLM layout, every cache dtype): an item of at
   // least touch_min_blocks blocks, in a call that reads at least
   // touch_min_bytes of K/V, first prefetches one line of each of its key
   // and value slices, all at once. It changes no result. -1 (the default):
@@ -59,7 +59,9 @@ struct AttentionParams {
   // every call (0 and 0): on Zen 5, call by call, calls of 256 MiB and
   // more took 0.85-0.95x the time of no touch for bf16 and fp16 and 0.92-
   // 0.98x for fp32, calls of 4-64 MiB 0.94-1.02x, within noise (session
-  // 14). Elsewhere 512 MiB and 512 blocks: on the Intel Xeon
+  // 14); fp8 caches, since their K and V passes by VDPBF16PS (session
+  // 17), 0.75-0.81x for calls of 64 MiB and more and 0.95-0.99x for
+  // 2-16 MiB. Elsewhere 512 MiB and 512 blocks: on the Intel Xeon
   // 0.94-0.98x the time there, but 1.04x for items of 64-128 blocks
   // (session 10; docs/attention.md). 0 and 0: always (tests).
   int64_t touch_min_bytes = -1;
