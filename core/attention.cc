@@ -247,7 +247,7 @@ std::atomic<int64_t> converting_redos{0};
 // internal::AmxPasses.
 std::atomic<int64_t> amx_passes{0};
 
-// fp8 K passes that ran on VDPBF16PS, for tests: internal::Fp8DotPasses.
+// fp8 K and V passes begun on VDPBF16PS, for tests: internal::Fp8DotPasses.
 std::atomic<int64_t> fp8_dot_passes{0};
 
 // Whether this CPU's vendor is AMD (or Hygon, whose cores are AMD's Zen):
@@ -852,10 +852,10 @@ KVSTEP_AMX_TARGET void Values(const Tile16* tiles, int64_t ntiles, int64_t bs,
 
 }  // namespace amx
 
-// The fp8 keys' VDPBF16PS pass (LogitsFp8Dot) adds AVX512-VBMI (VPERMI2B)
-// to the AVX-512 build's features, in its own functions only: those run
-// where Fp8DotUsable, and the rest of the build also on CPUs without VBMI
-// (Cooper Lake has AVX512-BF16 but not VBMI).
+// The fp8 VDPBF16PS passes (LogitsFp8Dot, ValuesFp8Dot) add AVX512-VBMI
+// (VPERMI2B) to the AVX-512 build's features, in their own functions only:
+// those run where Fp8DotUsable, and the rest of the build also on CPUs
+// without VBMI (Cooper Lake has AVX512-BF16 but not VBMI).
 #define KVSTEP_FP8_DOT_TARGET                                               \
   __attribute__((                                                           \
       target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c," \

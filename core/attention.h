@@ -126,10 +126,16 @@ struct AttentionParams {
   // lookups (VPERMI2B) turn 64 fp8 keys into their exact bf16 values, and
   // the unscaled query goes in as one bf16 part (bf16) or two exact ones
   // (fp16), so products are exact and sums fp32, as in the converting
-  // pass. fp32 queries, and every query where this is false or the CPU
-  // lacks VBMI, take the converting pass (LogitsFp8Z). The K pass's
-  // arithmetic per 64 bytes drops from 12 integer ops and 16 FMAs to 5
-  // and 8 (docs/attention.md, session 17). false: for A/B runs and tests.
+  // pass. With a bf16 query the values too (block sizes 16 and 32),
+  // against the softmax weights rounded to bf16: an output moves by at
+  // most 2^-9 of the row's largest |value|, about a bf16 output's own
+  // rounding (vLLM's GPU kernel rounds the weights to the model's dtype
+  // too). fp32 queries, fp16 queries' values, and every query where this
+  // is false or the CPU lacks VBMI, take the converting passes
+  // (LogitsFp8Z, ValuesFp8Z). Per 64 bytes and 4 heads the arithmetic
+  // drops from 12 integer ops and 16 FMAs to 5 and 8; fp8 calls took
+  // 0.68-0.86x the time (docs/attention.md, session 17). false: for A/B
+  // runs and tests.
   bool fp8_dot = true;
 };
 
@@ -146,7 +152,7 @@ const char* PrefetchName(AttentionParams::Prefetch prefetch);
 bool ParsePrefetch(absl::string_view name, AttentionParams::Prefetch* out);
 // Whether this CPU and OS run AMX-BF16 (AttentionParams::amx).
 bool AmxSupported();
-// Whether this CPU runs the fp8 keys' VDPBF16PS pass (AttentionParams::
+// Whether this CPU runs the fp8 VDPBF16PS passes (AttentionParams::
 // fp8_dot): the AVX-512 build and AVX512-VBMI.
 bool Fp8DotSupported();
 // What kAuto multiplies bf16 keys with on this CPU (never kAuto).
@@ -220,8 +226,9 @@ int64_t ConvertingRedos();
 // How many K or V passes of prefill chunks ran on AMX (AttentionParams::amx)
 // since the process started.
 int64_t AmxPasses();
-// How many fp8 K passes ran on VDPBF16PS (AttentionParams::fp8_dot) since
-// the process started.
+// How many fp8 K or V passes began on VDPBF16PS (AttentionParams::fp8_dot)
+// since the process started (one that met an Inf or NaN on a flagged layer
+// and was redone by conversion counts too).
 int64_t Fp8DotPasses();
 // How many consecutive (row, KV head) items of n a thread claims at a time
 // (kvh KV heads a row, `threads` threads); see attention.cc.
