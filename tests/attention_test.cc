@@ -975,18 +975,21 @@ TEST(PagedAttention, Fp8SpecialBytesUnwrittenSlotsAndHugeQueries) {
   }
 }
 
-// The fp8 K pass by VDPBF16PS (LogitsFp8Dot: bf16 and fp16 queries where
-// the CPU has VBMI) against the converting one (fp8_dot off), on the same
-// cache and query: both take exact products and fp32 sums, so they differ
-// by summation order and the converting pass's rounding of the scaled
-// query only, far inside vLLM's fp8 tolerance, which a wrong lane, dim or
-// byte would not be. Keys and values span fp8's subnormals up to its
-// largest normals (the lookup tables' every region), unwritten slots hold
-// NaN bytes, and the layer is flagged (so the passes check the bytes in
-// range) or not. Decoding and a 5-token prefill chunk, a partial last
-// block, block sizes 8, 16 and 32, head sizes 128, 80 and 64, GQA 4, 3 and
-// MHA; an fp32 query must not take the VDPBF16PS pass.
-TEST(PagedAttention, Fp8KeysByDotProductsMatchTheConvertingPass) {
+// The fp8 passes by VDPBF16PS (LogitsFp8Dot for bf16 and fp16 queries,
+// ValuesFp8Dot for bf16 ones, where the CPU has VBMI) against the
+// converting ones (fp8_dot off), on the same cache and query. The K passes
+// both take exact products and fp32 sums, so they differ by summation
+// order and the converting pass's rounding of the scaled query only; the
+// V pass by VDPBF16PS rounds the weights to bf16, which moves an output by
+// at most 2^-9 of the largest |value|. Both bounds are far inside vLLM's
+// fp8 tolerance, which a wrong lane, dim or byte would not be. Keys and
+// values span fp8's subnormals up to its largest normals (the lookup
+// tables' every region), unwritten slots hold NaN bytes, and the layer is
+// flagged (so the passes check the bytes in range) or not. Decoding and a
+// 5-token prefill chunk, a partial last block, block sizes 8, 16 and 32,
+// head sizes 128, 80 and 64, GQA 4, 3 and MHA; an fp32 query must not take
+// the VDPBF16PS passes.
+TEST(PagedAttention, Fp8ByDotProductsMatchTheConvertingPasses) {
   if (!IsaSupported(AttentionParams::Isa::kAvx512)) {
     GTEST_SKIP() << "no AVX-512 on this CPU: the fp8 VDPBF16PS pass is "
                     "part of the AVX-512 build";
