@@ -291,8 +291,7 @@ std::string Describe(const AttentionParams& p) {
               ? ", AMX for 16-bit prefill chunks (beyond the FMA peak)"
               : "") +
          (p.fp8_dot && kvstep::Fp8DotSupported()
-              ? ", fp8 keys by VDPBF16PS (bf16 and fp16 queries; values for "
-                "bf16)"
+              ? ", fp8 by VDPBF16PS (bf16 queries)"
               : "") +
          ", slice touch " +
          (p.touch_min_bytes < 0 && p.touch_min_blocks < 0

@@ -120,22 +120,21 @@ struct AttentionParams {
   // (session 12) and 1.9-2x less for fp16 (session 13; docs/attention.md).
   // false: the FMA passes (tests, benchmarks).
   bool amx = true;
-  // Whether the AVX-512 build may multiply fp8 keys (vLLM layout, head
-  // sizes that are multiples of 16) by a bf16 or fp16 query with
-  // VDPBF16PS where the CPU has AVX512-VBMI (Fp8DotSupported): two byte
-  // lookups (VPERMI2B) turn 64 fp8 keys into their exact bf16 values, and
-  // the unscaled query goes in as one bf16 part (bf16) or two exact ones
-  // (fp16), so products are exact and sums fp32, as in the converting
-  // pass. With a bf16 query the values too (block sizes 16 and 32),
-  // against the softmax weights rounded to bf16: an output moves by at
-  // most 2^-9 of the row's largest |value|, about a bf16 output's own
-  // rounding (vLLM's GPU kernel rounds the weights to the model's dtype
-  // too). fp32 queries, fp16 queries' values, and every query where this
-  // is false or the CPU lacks VBMI, take the converting passes
-  // (LogitsFp8Z, ValuesFp8Z). Per 64 bytes and 4 heads the arithmetic
-  // drops from 12 integer ops and 16 FMAs to 5 and 8; fp8 calls took
-  // 0.68-0.86x the time (docs/attention.md, session 17). false: for A/B
-  // runs and tests.
+  // Whether the AVX-512 build may run fp8 caches (vLLM layout, head sizes
+  // that are multiples of 16) against a bf16 query by VDPBF16PS where the
+  // CPU has AVX512-VBMI (Fp8DotSupported): two byte lookups (VPERMI2B)
+  // turn 64 fp8 elements into their exact bf16 values. Keys: against the
+  // unscaled query, exact products and fp32 sums, as in the converting
+  // pass. Values (block sizes 16 and 32): against the softmax weights
+  // rounded to bf16, which moves an output by at most 2^-9 of the row's
+  // largest |value|, about a bf16 output's own rounding (vLLM's GPU kernel
+  // rounds the weights to the model's dtype too). Per 64 bytes and 4 heads
+  // the arithmetic drops from 12 integer ops and 16 FMAs to 5 and 8; fp8
+  // calls took 0.68-0.86x the time (docs/attention.md, session 17). fp16
+  // and fp32 queries, and every query where this is false or the CPU
+  // lacks VBMI, take the converting passes (LogitsFp8Z, ValuesFp8Z): an
+  // fp16 query's keys by two exact bf16 parts took 1.12-1.17x their time.
+  // false: for A/B runs and tests.
   bool fp8_dot = true;
 };
 

@@ -844,7 +844,7 @@ TEST(PagedAttention, Fp16InfAndNanInTheCacheAndHugeQueries) {
 // or bf16 query that the converting pass's scaling by 2^56 or 2^60 would
 // overflow (which must send that pass to the redo too, but not the
 // VDPBF16PS one, which does not scale the query). fp32, bf16 and fp16
-// queries (the last two take LogitsFp8Dot where the CPU has VBMI). One
+// queries (bf16 takes LogitsFp8Dot where the CPU has VBMI). One
 // decode row of 40 tokens, GQA 4, block sizes 16 (16-token key tiles,
 // 16-lane values) and 8 (8-token key tiles, 8-wide values); token 21 is a
 // whole block's in both.
@@ -857,7 +857,7 @@ TEST(PagedAttention, Fp8SpecialBytesUnwrittenSlotsAndHugeQueries) {
   enum class Odd { kNone, kKey, kValue, kQuery };
   for (DType dtype : {DType::kFp8E4M3, DType::kFp8E5M2}) {
     for (DType act : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
-      const bool dot = Fp8DotSupported() && act != DType::kFloat32;
+      const bool dot = Fp8DotSupported() && act == DType::kBFloat16;
       // NaN in both formats; e5m2's Inf (0x7c) too.
       const std::vector<uint8_t> specials =
           dtype == DType::kFp8E4M3 ? std::vector<uint8_t>{0x7f, 0xff}
@@ -975,8 +975,8 @@ TEST(PagedAttention, Fp8SpecialBytesUnwrittenSlotsAndHugeQueries) {
   }
 }
 
-// The fp8 passes by VDPBF16PS (LogitsFp8Dot for bf16 and fp16 queries,
-// ValuesFp8Dot for bf16 ones, where the CPU has VBMI) against the
+// The fp8 passes by VDPBF16PS (LogitsFp8Dot and ValuesFp8Dot, for bf16
+// queries where the CPU has VBMI) against the
 // converting ones (fp8_dot off), on the same cache and query. The K passes
 // both take exact products and fp32 sums, so they differ by summation
 // order and the converting pass's rounding of the scaled query only; the
@@ -987,8 +987,8 @@ TEST(PagedAttention, Fp8SpecialBytesUnwrittenSlotsAndHugeQueries) {
 // tables' every region), unwritten slots hold NaN bytes, and the layer is
 // flagged (so the passes check the bytes in range) or not. Decoding and a
 // 5-token prefill chunk, a partial last block, block sizes 8, 16 and 32,
-// head sizes 128, 80 and 64, GQA 4, 3 and MHA; an fp32 query must not take
-// the VDPBF16PS passes.
+// head sizes 128, 80 and 64, GQA 4, 3 and MHA; fp16 and fp32 queries must
+// not take the VDPBF16PS passes.
 TEST(PagedAttention, Fp8ByDotProductsMatchTheConvertingPasses) {
   if (!IsaSupported(AttentionParams::Isa::kAvx512)) {
     GTEST_SKIP() << "no AVX-512 on this CPU: the fp8 VDPBF16PS pass is "
@@ -1058,7 +1058,7 @@ TEST(PagedAttention, Fp8ByDotProductsMatchTheConvertingPasses) {
               }
               EXPECT_EQ(internal::ConvertingRedos(), redos);
               const bool dot =
-                  Fp8DotSupported() && act != DType::kFloat32 && D % 16 == 0;
+                  Fp8DotSupported() && act == DType::kBFloat16 && D % 16 == 0;
               // One K pass per KV head (decoding, or the chunk's tokens
               // together), and for a bf16 query one V pass (block sizes 16
               // and 32).
