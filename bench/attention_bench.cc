@@ -45,8 +45,7 @@
 // round's read pass (about 8 ms) is never bridged.
 //
 // --vs=FLAG (any of --isa=, --kernel=, --prefetch=, --bf16_keys=, --amx=,
-// --fp8_dot=,
-// --touch_min_mib=, --touch_min_blocks=, --pool_poll_us=,
+// --fp8_dot=, --touch_min_mib=, --touch_min_blocks=, --pool_poll_us=,
 // --pool_idle_poll_us=, --tables=) times a second configuration call by call
 // against the first, in the same process and on the same cache: A, B, A, B, ...
 // each after its own cache flush. It prints both best times and the median over
@@ -302,9 +301,8 @@ std::string Describe(const AttentionParams& p) {
 }
 
 // --isa=..., --kernel=..., --prefetch=..., --bf16_keys=..., --amx=...,
-// --fp8_dot=...,
-// --touch_min_mib=N and --touch_min_blocks=N into *p; false for any other
-// flag.
+// --fp8_dot=..., --touch_min_mib=N and --touch_min_blocks=N into *p; false
+// for any other flag.
 bool ParseParamFlag(const std::string& a, AttentionParams* p) {
   using Isa = AttentionParams::Isa;
   using Kernel = AttentionParams::Kernel;
