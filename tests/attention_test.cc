@@ -591,6 +591,26 @@ TEST(PagedAttention, HeadSizesBlockSizesLayoutsFp32) {
   }
 }
 
+// bf16 in the NHD layout: head sizes in steps of 32 take the AVX-512
+// passes that split each 32 dims into even and odd ones (whole 64-dim
+// tiles and a 32-dim tail: 96, and 32 alone), the others widen (80, 112,
+// 120); GQA 4 and MHA, whose tiles repeat heads.
+TEST(PagedAttention, NhdBf16HeadSizes) {
+  for (int64_t hs : {32, 64, 96, 192, 256, 80, 112, 120}) {
+    for (int64_t bs : {16, 32}) {
+      for (auto [heads, kv] : {std::pair<int64_t, int64_t>{8, 2}, {4, 4}}) {
+        Case k = Make(CacheLayout::kNhd, DType::kBFloat16, DType::kBFloat16,
+                      heads, kv);
+        k.head_size = hs;
+        k.block_size = bs;
+        k.seed = hs * 100 + bs + heads;
+        Check(k);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
 // A cache dtype and the activations' (query, key, value, output).
 struct Dtypes {
   DType cache, act;
