@@ -18,6 +18,7 @@
 //       [--pool_mib=N] [--tables=random|sorted|sequential]
 //       [--prefetch=auto|nta|t0|t1] [--flush_mib=N]
 //       [--bf16_keys=auto|dot|widen] [--amx=on|off] [--fp8_dot=on|off]
+//       [--nhd_rows=on|off]
 //       [--touch_min_mib=N] [--touch_min_blocks=N] [--pool_poll_us=N]
 //       [--pool_idle_poll_us=N]
 //       [--query=bfloat16|float16|float32]
@@ -45,13 +46,13 @@
 // round's read pass (about 8 ms) is never bridged.
 //
 // --vs=FLAG (any of --isa=, --kernel=, --prefetch=, --bf16_keys=, --amx=,
-// --fp8_dot=, --touch_min_mib=, --touch_min_blocks=, --pool_poll_us=,
-// --pool_idle_poll_us=, --tables=) times a second configuration call by call
-// against the first, in the same process and on the same cache: A, B, A, B, ...
-// each after its own cache flush. It prints both best times and the median over
-// pairs of B's time / A's, which resolves differences of a few percent that
-// this shared VM's drift (5-10% from run to run) hides between two separate
-// runs.
+// --fp8_dot=, --nhd_rows=, --touch_min_mib=, --touch_min_blocks=,
+// --pool_poll_us=, --pool_idle_poll_us=, --tables=) times a second
+// configuration call by call against the first, in the same process and on the
+// same cache: A, B, A, B, ... each after its own cache flush. It prints both
+// best times and the median over pairs of B's time / A's, which resolves
+// differences of a few percent that this shared VM's drift (5-10% from run to
+// run) hides between two separate runs.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -283,9 +284,11 @@ std::string PrefetchWords(AttentionParams::Prefetch hint) {
 std::string Describe(const AttentionParams& p) {
   return std::string("kernel ") + KernelName(p.kernel) + ", " + IsaName(p.isa) +
          " instruction set, " + PrefetchWords(p.prefetch) + ", bf16 keys " +
-         (p.bf16_keys == AttentionParams::Bf16Keys::kDot     ? "by VDPBF16PS"
-          : p.bf16_keys == AttentionParams::Bf16Keys::kWiden ? "widened"
-                                                             : "auto") +
+         (p.bf16_keys == AttentionParams::Bf16Keys::kDot ? "by VDPBF16PS"
+          : p.bf16_keys == AttentionParams::Bf16Keys::kWiden
+              ? "widened"
+              : "auto (widened; by VDPBF16PS in NHD rows)") +
+         (p.nhd_rows ? "" : ", NHD items per KV head") +
          (p.amx && kvstep::AmxSupported()
               ? ", AMX for 16-bit prefill chunks (beyond the FMA peak)"
               : "") +
@@ -301,8 +304,8 @@ std::string Describe(const AttentionParams& p) {
 }
 
 // --isa=..., --kernel=..., --prefetch=..., --bf16_keys=..., --amx=...,
-// --fp8_dot=..., --touch_min_mib=N and --touch_min_blocks=N into *p; false
-// for any other flag.
+// --fp8_dot=..., --nhd_rows=..., --touch_min_mib=N and --touch_min_blocks=N
+// into *p; false for any other flag.
 bool ParseParamFlag(const std::string& a, AttentionParams* p) {
   using Isa = AttentionParams::Isa;
   using Kernel = AttentionParams::Kernel;
@@ -330,6 +333,8 @@ bool ParseParamFlag(const std::string& a, AttentionParams* p) {
     p->amx = a == "--amx=on";
   } else if (a == "--fp8_dot=on" || a == "--fp8_dot=off") {
     p->fp8_dot = a == "--fp8_dot=on";
+  } else if (a == "--nhd_rows=on" || a == "--nhd_rows=off") {
+    p->nhd_rows = a == "--nhd_rows=on";
   } else if (a.rfind("--touch_min_mib=", 0) == 0) {
     const int64_t mib = std::stoll(a.substr(16));  // < 0: auto
     p->touch_min_bytes = mib < 0 ? -1 : mib << 20;
@@ -754,7 +759,8 @@ int main(int argc, char** argv) {
         !kvstep::ParseParamFlag(vs_flag, &o.vs)) {
       std::fprintf(stderr,
                    "--vs takes isa=..., kernel=..., prefetch=..., "
-                   "bf16_keys=..., amx=..., fp8_dot=..., touch_min_mib=..., "
+                   "bf16_keys=..., amx=..., fp8_dot=..., nhd_rows=..., "
+                   "touch_min_mib=..., "
                    "touch_min_blocks=..., pool_poll_us=..., "
                    "pool_idle_poll_us=... or tables=..., not %s\n",
                    vs_flag.c_str() + 2);
@@ -772,10 +778,7 @@ int main(int argc, char** argv) {
       p->isa = kvstep::BestIsa();
     }
     // The prefetch hint stays kAuto: the kernel resolves it by the cache's
-    // dtype (Describe names both choices).
-    if (p->bf16_keys == kvstep::AttentionParams::Bf16Keys::kAuto) {
-      p->bf16_keys = kvstep::BestBf16Keys();
-    }
+    // dtype (Describe names both choices), and so do bf16 keys by layout.
   }
   kvstep::Bandwidth bw(baseline ? size_t{1} << 30 : 64 << 20);
   kvstep::CacheFlusher flusher(static_cast<size_t>(flush_mib));

@@ -234,6 +234,7 @@ struct Scratch {
   LineVector<float> weights;       // a partial block's weights, zero-padded;
                                    // AMX: weight tiles and carried sums
   LineVector<float> m, s, acc;     // a chunk's results (Partial's outputs)
+  LineVector<float> part;          // NHD rows: a key segment's acc, m and s
   std::vector<amx::Tile16> tiles;  // a prefill chunk's, for AMX
 };
 
@@ -249,6 +250,10 @@ std::atomic<int64_t> amx_passes{0};
 
 // fp8 K and V passes begun on VDPBF16PS, for tests: internal::Fp8DotPasses.
 std::atomic<int64_t> fp8_dot_passes{0};
+
+// NHD key segments read a whole row at a time (Attender::PartialRow), for
+// tests: internal::NhdRowPasses.
+std::atomic<int64_t> nhd_row_passes{0};
 
 // Whether this CPU's vendor is AMD (or Hygon, whose cores are AMD's Zen):
 // the kernel's choices that were measured to differ by CPU (the prefetch
@@ -293,8 +298,9 @@ int64_t ResolveTouchMinBlocks(int64_t blocks) {
   return AmdVendor() ? 0 : 512;
 }
 
-// How a call multiplies bf16 keys by a bf16 query: kAuto resolved, the
-// same on every CPU measured (see AttentionParams::bf16_keys).
+// How a call multiplies bf16 keys by a bf16 query in the vLLM layout and
+// in NHD items per KV head: kAuto resolved, the same on every CPU measured
+// (see AttentionParams::bf16_keys; NHD rows: Attender::NhdDot).
 AttentionParams::Bf16Keys ResolveBf16Keys(AttentionParams::Bf16Keys k) {
   if (k != AttentionParams::Bf16Keys::kAuto) return k;
   return AttentionParams::Bf16Keys::kWiden;
@@ -1019,15 +1025,29 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
                        static_cast<double>(DTypeSize(cache.config().dtype));
   if (bytes < static_cast<double>(p.parallel_min_bytes)) pool = nullptr;
   const int64_t threads = pool != nullptr ? pool->num_threads() : 1;
-  // Auto: partition only when (row, KV head) items are too few to keep the
-  // threads busy and contexts are long enough to split. Measured with
-  // attention_bench on 2 threads, batch 1, bf16 (docs/attention.md): one KV
-  // head, v2 takes 0.53x v1's time; two, about equal; eight, v1 is as fast
-  // or faster, since v2 adds a reduction pass.
-  const bool partitioned =
-      p.kernel == AttentionParams::Kernel::kPartitioned ||
-      (p.kernel == AttentionParams::Kernel::kAuto && max_parts > 1 &&
-       rows.num_real * kvh < int64_t{2} * threads);
+  // Items are (row, KV head), or whole rows where the kernel reads all of
+  // a row's KV heads at once (Attender::RowTokens: the NHD layout, rows of
+  // few query tokens); heads [h0, h1) of an item's row.
+  int64_t max_tokens = 0;
+  for (int64_t r = 0; r < rows.num_real; ++r) {
+    max_tokens =
+        std::max(max_tokens, rows.query_start[r + 1] - rows.query_start[r]);
+  }
+  const bool by_rows = a.RowTokens() > 0 && max_tokens <= a.RowTokens();
+  const int64_t heads_per_item = by_rows ? kvh : 1;
+  const int64_t items = rows.num_real * (kvh / heads_per_item);
+  auto item_heads = [&](int64_t item, int64_t* r, int64_t* h0) {
+    *r = item / (kvh / heads_per_item);
+    *h0 = item % (kvh / heads_per_item) * heads_per_item;
+  };
+  // Auto: partition only when items are too few to keep the threads busy
+  // and contexts are long enough to split. Measured with attention_bench
+  // on 2 threads, batch 1, bf16 (docs/attention.md): one KV head, v2 takes
+  // 0.53x v1's time; two, about equal; eight, v1 is as fast or faster,
+  // since v2 adds a reduction pass.
+  const bool partitioned = p.kernel == AttentionParams::Kernel::kPartitioned ||
+                           (p.kernel == AttentionParams::Kernel::kAuto &&
+                            max_parts > 1 && items < int64_t{2} * threads);
   auto run = [&](const std::function<void(int64_t)>& fn, int64_t n) {
     if (pool != nullptr) {
       pool->ParallelFor(n, fn);
@@ -1036,6 +1056,10 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
     }
   };
   constexpr int64_t kChunk = A::kChunk;
+  // Virtual heads of one chunk of one item, for which Partial writes its
+  // results (by rows: a row's every token, at most RowTokens).
+  const int64_t item_heads_max =
+      (by_rows ? max_tokens : kChunk) * G * heads_per_item;
   // Items with a scratch per participating thread, reused across its items
   // (a fresh one per item cost a malloc and a memset of tens of KB each)
   // and freed when the call returns. Items are claimed from a counter, g
@@ -1046,9 +1070,9 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
     run(
         [&](int64_t) {
           Scratch scratch;
-          scratch.m.resize(kChunk * G);
-          scratch.s.resize(kChunk * G);
-          scratch.acc.resize(kChunk * G * D);
+          scratch.m.resize(item_heads_max);
+          scratch.s.resize(item_heads_max);
+          scratch.acc.resize(item_heads_max * D);
           for (int64_t i = next.fetch_add(g); i < n; i = next.fetch_add(g)) {
             for (int64_t j = i; j < std::min(n, i + g); ++j) fn(scratch, j);
           }
@@ -1058,22 +1082,27 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   if (!partitioned) {
     run_items(
         [&](Scratch& scratch, int64_t item) {
-          const int64_t r = item / kvh, h = item % kvh;
+          int64_t r, h0;
+          item_heads(item, &r, &h0);
           const int64_t qs = rows.query_start[r], qe = rows.query_start[r + 1];
           for (int64_t qi = qs; qi < qe; qi += kChunk) {
             int64_t ntok, pos0, lo, hi;
             a.Chunk(r, qi, qe, &ntok, &pos0, &lo, &hi);
-            a.Partial(scratch, r, h, qi, ntok, pos0, lo, hi, scratch.m.data(),
-                      scratch.s.data(), scratch.acc.data());
-            for (int64_t k = 0; k < ntok; ++k) {
-              a.Store(qi + k, h, &scratch.acc[k * G * D], &scratch.s[k * G]);
+            a.PartialHeads(scratch, r, h0, h0 + heads_per_item, qi, ntok, pos0,
+                           lo, hi, scratch.m.data(), scratch.s.data(),
+                           scratch.acc.data());
+            for (int64_t h = h0; h < h0 + heads_per_item; ++h) {
+              for (int64_t k = 0; k < ntok; ++k) {
+                const int64_t v = ((h - h0) * ntok + k) * G;
+                a.Store(qi + k, h, &scratch.acc[v * D], &scratch.s[v]);
+              }
             }
           }
         },
-        rows.num_real * kvh, ClaimSize(rows.num_real * kvh, kvh, threads));
+        items, by_rows ? 1 : ClaimSize(items, kvh, threads));
     return;
   }
-  // Partitioned: item (row, kv head, partition) computes partial results
+  // Partitioned: item (row, heads, partition) computes partial results
   // for every query token of the row; a second pass reduces them.
   const int64_t T = rows.query_start[rows.num_real];
   const int64_t stride = G * (D + 2);  // m, s, acc per query head
@@ -1082,7 +1111,8 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   run_items(
       [&](Scratch& scratch, int64_t item) {
         const int64_t part = item % max_parts;
-        const int64_t r = item / max_parts / kvh, h = (item / max_parts) % kvh;
+        int64_t r, h0;
+        item_heads(item / max_parts, &r, &h0);
         const int64_t qs = rows.query_start[r], qe = rows.query_start[r + 1];
         float* m = scratch.m.data();
         float* s = scratch.s.data();
@@ -1093,21 +1123,25 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
           lo = std::max(lo, part * P);
           hi = std::min(hi, (part + 1) * P);
           if (lo >= hi) continue;
-          a.Partial(scratch, r, h, qi, ntok, pos0, lo, hi, m, s, acc);
+          a.PartialHeads(scratch, r, h0, h0 + heads_per_item, qi, ntok, pos0,
+                         lo, hi, m, s, acc);
           for (int64_t k = 0; k < ntok; ++k) {
             int64_t own_lo, own_hi;
             a.Range(pos0 + k, &own_lo, &own_hi);
             if (std::max(own_lo, lo) >= std::min(own_hi, hi)) continue;
-            const int64_t slot = ((qi + k) * kvh + h) * max_parts + part;
-            float* buf = &partial[slot * stride];
-            std::copy(&m[k * G], &m[k * G] + G, buf);
-            std::copy(&s[k * G], &s[k * G] + G, buf + G);
-            std::copy(&acc[k * G * D], &acc[k * G * D] + G * D, buf + 2 * G);
-            used[slot] = 1;
+            for (int64_t h = h0; h < h0 + heads_per_item; ++h) {
+              const int64_t v = ((h - h0) * ntok + k) * G;
+              const int64_t slot = ((qi + k) * kvh + h) * max_parts + part;
+              float* buf = &partial[slot * stride];
+              std::copy(&m[v], &m[v] + G, buf);
+              std::copy(&s[v], &s[v] + G, buf + G);
+              std::copy(&acc[v * D], &acc[v * D] + G * D, buf + 2 * G);
+              used[slot] = 1;
+            }
           }
         }
       },
-      rows.num_real * kvh * max_parts, 1);
+      items * max_parts, 1);
   run(
       [&](int64_t item) {  // item = (token, kv head)
         const int64_t qi = item / kvh, h = item % kvh;
@@ -1292,6 +1326,7 @@ int64_t ConvertingRedos() { return converting_redos.load(); }
 
 int64_t AmxPasses() { return amx_passes.load(); }
 int64_t Fp8DotPasses() { return fp8_dot_passes.load(); }
+int64_t NhdRowPasses() { return nhd_row_passes.load(); }
 
 int64_t ClaimSize(int64_t n, int64_t kvh, int64_t threads) {
   return kvstep::ClaimSize(n, kvh, threads);

@@ -17,7 +17,9 @@
 // that stores into the cache bytes directly must flag them itself.
 //
 // Work is split by (row, KV head): the query heads of a GQA group share each
-// K/V block read. The partitioned kernel (vLLM v2) also splits long
+// K/V block read. In the NHD layout, rows of few query tokens are split by
+// row instead, each block's token rows read whole (AttentionParams::
+// nhd_rows). The partitioned kernel (vLLM v2) also splits long
 // contexts into partitions reduced by max/exp-sum, for parallelism when
 // there are few rows. Calls smaller than params.parallel_min_bytes run on
 // the calling thread only. Thread-compatible: the caller serializes
@@ -103,8 +105,10 @@ struct AttentionParams {
   // 14% warm (session 8); on Zen 5 kDot took 1.01-1.09x kWiden's time cold
   // in 19 of 24 cases and 0.975-1.009x in the largest calls (context 8192
   // at batch 16, 4096 at 64), though 2% less warm (session 14;
-  // docs/attention.md). kAuto: kWiden. Other queries and caches are
-  // unaffected.
+  // docs/attention.md). kAuto: kWiden, except in NHD rows (nhd_rows),
+  // whose K pass is bound by its arithmetic more than by its reads: there
+  // kDot took 0.91-0.93x the time of kWiden cold, 0.89x warm (session 19).
+  // Other queries and caches are unaffected.
   enum class Bf16Keys { kAuto, kDot, kWiden };
   Bf16Keys bf16_keys = Bf16Keys::kAuto;
   // Whether the AVX-512 build may use AMX (AMX-BF16: TDPBF16PS) where the
@@ -136,6 +140,15 @@ struct AttentionParams {
   // fp16 query's keys by two exact bf16 parts took 1.12-1.17x their time.
   // false: for A/B runs and tests.
   bool fp8_dot = true;
+  // Whether the AVX-512 build reads an NHD cache ([blocks, block, KV heads,
+  // head]) a row at a time: one item per row over all its KV heads, each
+  // block's token rows read whole, in calls whose rows have few query
+  // tokens (up to 128 virtual heads a row: decode, speculative decode).
+  // Otherwise (and for fp8 caches, and longer rows) an item per (row, KV
+  // head) reads head_size of every num_kv_heads * head_size elements of
+  // a token row, which cold caches read at about half the speed. false:
+  // for A/B runs and tests.
+  bool nhd_rows = true;
 };
 
 // Whether this CPU runs `isa` (kBest and kPortable: always), its name, and
@@ -154,7 +167,8 @@ bool AmxSupported();
 // Whether this CPU runs the fp8 VDPBF16PS passes (AttentionParams::
 // fp8_dot): the AVX-512 build and AVX512-VBMI.
 bool Fp8DotSupported();
-// What kAuto multiplies bf16 keys with on this CPU (never kAuto).
+// What kAuto multiplies bf16 keys with on this CPU in the vLLM layout
+// (never kAuto; NHD rows take kDot, see AttentionParams::bf16_keys).
 AttentionParams::Bf16Keys BestBf16Keys();
 
 struct AttentionRows {
@@ -229,6 +243,9 @@ int64_t AmxPasses();
 // since the process started (one that met an Inf or NaN on a flagged layer
 // and was redone by conversion counts too).
 int64_t Fp8DotPasses();
+// How many key segments of NHD rows were read a whole row at a time, over
+// all KV heads (AttentionParams::nhd_rows), since the process started.
+int64_t NhdRowPasses();
 // How many consecutive (row, KV head) items of n a thread claims at a time
 // (kvh KV heads a row, `threads` threads); see attention.cc.
 int64_t ClaimSize(int64_t n, int64_t kvh, int64_t threads);

@@ -389,8 +389,9 @@ struct Case {
   bool flagged = false;
   int64_t touch_min_bytes = AttentionParams().touch_min_bytes;
   int64_t touch_min_blocks = AttentionParams().touch_min_blocks;
-  bool amx = true;   // AttentionParams::amx
-  double scale = 0;  // AttentionParams::scale (0: 1 / sqrt(head_size))
+  bool amx = true;       // AttentionParams::amx
+  bool nhd_rows = true;  // AttentionParams::nhd_rows
+  double scale = 0;      // AttentionParams::scale (0: 1 / sqrt(head_size))
 };
 
 Case Make(CacheLayout layout, DType cache, DType act, int64_t heads,
@@ -495,6 +496,7 @@ void Check(const Case& k) {
   p.prefetch = k.prefetch;
   p.bf16_keys = k.bf16_keys;
   p.amx = k.amx;
+  p.nhd_rows = k.nhd_rows;
   if (k.alibi) {
     for (int64_t h = 0; h < H; ++h)
       p.alibi_slopes.push_back(std::pow(2.0f, -(h + 1)));
@@ -1184,6 +1186,62 @@ TEST(PagedAttention, LongContextsOddGroupsAndShapes) {
     Check(k);
     if (HasFatalFailure()) return;
   }
+}
+
+// NHD rows read a whole token row at a time, over every KV head
+// (AttentionParams::nhd_rows, the AVX-512 build): 16-bit and fp32 caches,
+// bf16 keys by VDPBF16PS (bf16 query) and split (fp32 query, or bf16_keys
+// kWiden), MQA, GQA 3 and 4 and MHA, head sizes 64, 80 (16-dim tiles, no
+// split) and 128, block sizes 8, 16 and 32. A context of 1100 keys is three
+// 512-key segments merged in turn (the single-pass kernel; the partitioned
+// one's partitions are one segment each); a window of 600 leaves its first
+// segment without keys; ALiBi. Every case also without nhd_rows (an item per
+// KV head). Rows of more query tokens than 128 virtual heads take an item
+// per KV head, nhd_rows or not.
+TEST(PagedAttention, NhdRowsOverEveryKvHead) {
+  const bool avx512 = IsaSupported(AttentionParams::Isa::kAvx512);
+  struct Shape {
+    int64_t heads, kv_heads, head_size, block_size;
+  };
+  const Shape shapes[] = {
+      {4, 1, 128, 16}, {8, 2, 64, 32}, {6, 2, 80, 8}, {2, 2, 128, 16}};
+  for (const Shape& sh : shapes) {
+    for (DType d : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+      for (DType act : {d, DType::kFloat32}) {
+        for (bool rows : {true, false}) {
+          Case k = Make(CacheLayout::kNhd, d, act, sh.heads, sh.kv_heads);
+          k.head_size = sh.head_size;
+          k.block_size = sh.block_size;
+          k.context = 1100;
+          k.window = sh.heads == 8 ? 600 : 0;
+          k.alibi = sh.heads == 6;
+          k.nhd_rows = rows;
+          k.bf16_keys = sh.heads == 2 ? AttentionParams::Bf16Keys::kWiden
+                                      : AttentionParams::Bf16Keys::kAuto;
+          const int64_t before = internal::NhdRowPasses();
+          Check(k);
+          if (HasFatalFailure()) return;
+          // Of the TestedIsas' runs, the AVX-512 build's reads rows, with
+          // nhd_rows and more than one KV head (MQA's one head a row is
+          // the per-head item itself).
+          EXPECT_EQ(internal::NhdRowPasses() > before,
+                    avx512 && rows && sh.kv_heads > 1)
+              << DTypeName(d) << " heads " << sh.heads;
+        }
+      }
+    }
+  }
+  // 32 query heads: RowTokens is 4, and the prefill row has 5 tokens.
+  Case k = Make(CacheLayout::kNhd, DType::kBFloat16, DType::kBFloat16, 32, 8);
+  k.head_size = 64;
+  const int64_t before = internal::NhdRowPasses();
+  Check(k);
+  if (HasFatalFailure()) return;
+  EXPECT_EQ(internal::NhdRowPasses(), before);
+  k.prefill_tokens = 4;
+  Check(k);
+  if (HasFatalFailure()) return;
+  EXPECT_EQ(internal::NhdRowPasses() > before, avx512);
 }
 
 // Prefill chunks of 16-bit caches in the vLLM layout (the AVX-512 build's
