@@ -284,10 +284,9 @@ std::string PrefetchWords(AttentionParams::Prefetch hint) {
 std::string Describe(const AttentionParams& p) {
   return std::string("kernel ") + KernelName(p.kernel) + ", " + IsaName(p.isa) +
          " instruction set, " + PrefetchWords(p.prefetch) + ", bf16 keys " +
-         (p.bf16_keys == AttentionParams::Bf16Keys::kDot ? "by VDPBF16PS"
-          : p.bf16_keys == AttentionParams::Bf16Keys::kWiden
-              ? "widened"
-              : "auto (widened; by VDPBF16PS in NHD rows)") +
+         (p.bf16_keys == AttentionParams::Bf16Keys::kDot     ? "by VDPBF16PS"
+          : p.bf16_keys == AttentionParams::Bf16Keys::kWiden ? "widened"
+                                                             : "auto") +
          (p.nhd_rows ? "" : ", NHD items per KV head") +
          (p.amx && kvstep::AmxSupported()
               ? ", AMX for 16-bit prefill chunks (beyond the FMA peak)"
@@ -778,7 +777,10 @@ int main(int argc, char** argv) {
       p->isa = kvstep::BestIsa();
     }
     // The prefetch hint stays kAuto: the kernel resolves it by the cache's
-    // dtype (Describe names both choices), and so do bf16 keys by layout.
+    // dtype (Describe names both choices).
+    if (p->bf16_keys == kvstep::AttentionParams::Bf16Keys::kAuto) {
+      p->bf16_keys = kvstep::BestBf16Keys();
+    }
   }
   kvstep::Bandwidth bw(baseline ? size_t{1} << 30 : 64 << 20);
   kvstep::CacheFlusher flusher(static_cast<size_t>(flush_mib));

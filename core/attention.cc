@@ -298,9 +298,8 @@ int64_t ResolveTouchMinBlocks(int64_t blocks) {
   return AmdVendor() ? 0 : 512;
 }
 
-// How a call multiplies bf16 keys by a bf16 query in the vLLM layout and
-// in NHD items per KV head: kAuto resolved, the same on every CPU measured
-// (see AttentionParams::bf16_keys; NHD rows: Attender::NhdDot).
+// How a call multiplies bf16 keys by a bf16 query: kAuto resolved, the
+// same on every CPU measured (see AttentionParams::bf16_keys).
 AttentionParams::Bf16Keys ResolveBf16Keys(AttentionParams::Bf16Keys k) {
   if (k != AttentionParams::Bf16Keys::kAuto) return k;
   return AttentionParams::Bf16Keys::kWiden;

@@ -105,10 +105,9 @@ struct AttentionParams {
   // 14% warm (session 8); on Zen 5 kDot took 1.01-1.09x kWiden's time cold
   // in 19 of 24 cases and 0.975-1.009x in the largest calls (context 8192
   // at batch 16, 4096 at 64), though 2% less warm (session 14;
-  // docs/attention.md). kAuto: kWiden, except in NHD rows (nhd_rows),
-  // whose K pass is bound by its arithmetic more than by its reads: there
-  // kDot took 0.91-0.93x the time of kWiden cold, 0.89x warm (session 19).
-  // Other queries and caches are unaffected.
+  // docs/attention.md); in NHD rows (nhd_rows) kDot took 1.055-1.075x
+  // the time cold, 0.9x warm (session 19). kAuto: kWiden. Other queries
+  // and caches are unaffected.
   enum class Bf16Keys { kAuto, kDot, kWiden };
   Bf16Keys bf16_keys = Bf16Keys::kAuto;
   // Whether the AVX-512 build may use AMX (AMX-BF16: TDPBF16PS) where the
@@ -167,8 +166,7 @@ bool AmxSupported();
 // Whether this CPU runs the fp8 VDPBF16PS passes (AttentionParams::
 // fp8_dot): the AVX-512 build and AVX512-VBMI.
 bool Fp8DotSupported();
-// What kAuto multiplies bf16 keys with on this CPU in the vLLM layout
-// (never kAuto; NHD rows take kDot, see AttentionParams::bf16_keys).
+// What kAuto multiplies bf16 keys with on this CPU (never kAuto).
 AttentionParams::Bf16Keys BestBf16Keys();
 
 struct AttentionRows {

@@ -1190,14 +1190,14 @@ TEST(PagedAttention, LongContextsOddGroupsAndShapes) {
 
 // NHD rows read a whole token row at a time, over every KV head
 // (AttentionParams::nhd_rows, the AVX-512 build): 16-bit and fp32 caches,
-// bf16 keys by VDPBF16PS (bf16 query) and split (fp32 query, or bf16_keys
-// kWiden), MQA, GQA 3 and 4 and MHA, head sizes 64, 80 (16-dim tiles, no
-// split) and 128, block sizes 8, 16 and 32. A context of 1100 keys is three
-// 512-key segments merged in turn (the single-pass kernel; the partitioned
-// one's partitions are one segment each); a window of 600 leaves its first
-// segment without keys; ALiBi. Every case also without nhd_rows (an item per
-// KV head). Rows of more query tokens than 128 virtual heads take an item
-// per KV head, nhd_rows or not.
+// bf16 keys by VDPBF16PS (bf16 query, bf16_keys kDot) and split (fp32
+// query, or bf16_keys kAuto), MQA, GQA 3 and 4 and MHA, head sizes 64, 80
+// (16-dim tiles, no split) and 128, block sizes 8, 16 and 32. A context of 1100
+// keys is three 512-key segments merged in turn (the single-pass kernel; the
+// partitioned one's partitions are one segment each); a window of 600 leaves
+// its first segment without keys; ALiBi. Every case also without nhd_rows (an
+// item per KV head). Rows of more query tokens than 128 virtual heads take an
+// item per KV head, nhd_rows or not.
 TEST(PagedAttention, NhdRowsOverEveryKvHead) {
   const bool avx512 = IsaSupported(AttentionParams::Isa::kAvx512);
   struct Shape {
@@ -1216,8 +1216,8 @@ TEST(PagedAttention, NhdRowsOverEveryKvHead) {
           k.window = sh.heads == 8 ? 600 : 0;
           k.alibi = sh.heads == 6;
           k.nhd_rows = rows;
-          k.bf16_keys = sh.heads == 2 ? AttentionParams::Bf16Keys::kWiden
-                                      : AttentionParams::Bf16Keys::kAuto;
+          k.bf16_keys = sh.heads == 2 ? AttentionParams::Bf16Keys::kAuto
+                                      : AttentionParams::Bf16Keys::kDot;
           const int64_t before = internal::NhdRowPasses();
           Check(k);
           if (HasFatalFailure()) return;
