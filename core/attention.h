@@ -143,10 +143,12 @@ struct AttentionParams {
   // head]) a row at a time: one item per row over all its KV heads, each
   // block's token rows read whole, in calls whose rows have few query
   // tokens (up to 128 virtual heads a row: decode, speculative decode).
-  // Otherwise (and for fp8 caches, and longer rows) an item per (row, KV
-  // head) reads head_size of every num_kv_heads * head_size elements of
-  // a token row, which cold caches read at about half the speed. false:
-  // for A/B runs and tests.
+  // Otherwise (longer rows; fp8 caches on a layer flagged as possibly
+  // holding Inf or NaN, or of head sizes not a multiple of 64) an item per
+  // (row, KV head) reads head_size of every num_kv_heads * head_size
+  // elements of a token row: on Zen 5 those calls took 1.15-1.87x the time
+  // for 16-bit and fp32 caches and 1.87-2.70x for fp8 (docs/attention.md,
+  // session 19). false: for A/B runs and tests.
   bool nhd_rows = true;
 };
 

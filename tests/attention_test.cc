@@ -1189,7 +1189,8 @@ TEST(PagedAttention, LongContextsOddGroupsAndShapes) {
 }
 
 // NHD rows read a whole token row at a time, over every KV head
-// (AttentionParams::nhd_rows, the AVX-512 build): 16-bit and fp32 caches,
+// (AttentionParams::nhd_rows, the AVX-512 build): 16-bit, fp32 and fp8
+// caches (fp8: head sizes in steps of 64, unflagged layers),
 // bf16 keys by VDPBF16PS (bf16 query, bf16_keys kDot) and split (fp32
 // query, or bf16_keys kAuto), MQA, GQA 3 and 4 and MHA, head sizes 64, 80
 // (16-dim tiles, no split) and 128, block sizes 8, 16 and 32. A context of 1100
@@ -1206,8 +1207,10 @@ TEST(PagedAttention, NhdRowsOverEveryKvHead) {
   const Shape shapes[] = {
       {4, 1, 128, 16}, {8, 2, 64, 32}, {6, 2, 80, 8}, {2, 2, 128, 16}};
   for (const Shape& sh : shapes) {
-    for (DType d : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
-      for (DType act : {d, DType::kFloat32}) {
+    for (DType d : {DType::kBFloat16, DType::kFloat16, DType::kFloat32,
+                    DType::kFp8E4M3, DType::kFp8E5M2}) {
+      const bool fp8 = DTypeSize(d) == 1;
+      for (DType act : {fp8 ? DType::kBFloat16 : d, DType::kFloat32}) {
         for (bool rows : {true, false}) {
           Case k = Make(CacheLayout::kNhd, d, act, sh.heads, sh.kv_heads);
           k.head_size = sh.head_size;
@@ -1223,13 +1226,26 @@ TEST(PagedAttention, NhdRowsOverEveryKvHead) {
           if (HasFatalFailure()) return;
           // Of the TestedIsas' runs, the AVX-512 build's reads rows, with
           // nhd_rows and more than one KV head (MQA's one head a row is
-          // the per-head item itself).
+          // the per-head item itself); fp8 in head sizes of 64 dims.
           EXPECT_EQ(internal::NhdRowPasses() > before,
-                    avx512 && rows && sh.kv_heads > 1)
+                    avx512 && rows && sh.kv_heads > 1 &&
+                        !(fp8 && sh.head_size % 64 != 0))
               << DTypeName(d) << " heads " << sh.heads;
         }
       }
     }
+  }
+  // fp8 on a layer flagged as possibly holding Inf or NaN: an item per KV
+  // head, whose passes check what they read.
+  for (DType d : {DType::kFp8E4M3, DType::kFp8E5M2}) {
+    Case k = Make(CacheLayout::kNhd, d, DType::kBFloat16, 8, 2);
+    k.head_size = 128;
+    k.context = 100;
+    k.flagged = true;
+    const int64_t before = internal::NhdRowPasses();
+    Check(k);
+    if (HasFatalFailure()) return;
+    EXPECT_EQ(internal::NhdRowPasses(), before);
   }
   // 32 query heads: RowTokens is 4, and the prefill row has 5 tokens.
   Case k = Make(CacheLayout::kNhd, DType::kBFloat16, DType::kBFloat16, 32, 8);
