@@ -1190,7 +1190,8 @@ TEST(PagedAttention, LongContextsOddGroupsAndShapes) {
 
 // NHD rows read a whole token row at a time, over every KV head
 // (AttentionParams::nhd_rows, the AVX-512 build): 16-bit, fp32 and fp8
-// caches (fp8: head sizes in steps of 64, unflagged layers),
+// caches (fp8: head sizes in steps of 64, unflagged layers; keys by
+// VDPBF16PS for a bf16 query where the CPU has VBMI),
 // bf16 keys by VDPBF16PS (bf16 query, bf16_keys kDot) and split (fp32
 // query, or bf16_keys kAuto), MQA, GQA 3 and 4 and MHA, head sizes 64, 80
 // (16-dim tiles, no split) and 128, block sizes 8, 16 and 32. A context of 1100
@@ -1222,8 +1223,15 @@ TEST(PagedAttention, NhdRowsOverEveryKvHead) {
           k.bf16_keys = sh.heads == 2 ? AttentionParams::Bf16Keys::kAuto
                                       : AttentionParams::Bf16Keys::kDot;
           const int64_t before = internal::NhdRowPasses();
+          const int64_t dots = internal::Fp8DotPasses();
           Check(k);
           if (HasFatalFailure()) return;
+          // fp8 rows against a bf16 query by VDPBF16PS where the CPU has
+          // VBMI (NhdFp8DotStep).
+          if (fp8 && rows && sh.kv_heads > 1 && sh.head_size % 64 == 0 &&
+              act == DType::kBFloat16) {
+            EXPECT_EQ(internal::Fp8DotPasses() > dots, Fp8DotSupported());
+          }
           // Of the TestedIsas' runs, the AVX-512 build's reads rows, with
           // nhd_rows and more than one KV head (MQA's one head a row is
           // the per-head item itself); fp8 in head sizes of 64 dims.
