@@ -137,6 +137,8 @@ struct AttentionParams {
   // and fp32 queries, and every query where this is false or the CPU
   // lacks VBMI, take the converting passes (LogitsFp8Z, ValuesFp8Z): an
   // fp16 query's keys by two exact bf16 parts took 1.12-1.17x their time.
+  // NHD rows (nhd_rows) take it for keys only: their values by it took
+  // 0.98-1.01x the exact pass's time, their keys 0.92-0.94x (session 19).
   // false: for A/B runs and tests.
   bool fp8_dot = true;
   // Whether the AVX-512 build reads an NHD cache ([blocks, block, KV heads,
@@ -147,8 +149,9 @@ struct AttentionParams {
   // holding Inf or NaN, or of head sizes not a multiple of 64) an item per
   // (row, KV head) reads head_size of every num_kv_heads * head_size
   // elements of a token row: on Zen 5 those calls took 1.15-1.87x the time
-  // for 16-bit and fp32 caches and 1.87-2.70x for fp8 (docs/attention.md,
-  // session 19). false: for A/B runs and tests.
+  // for 16-bit and fp32 caches and 1.87-2.70x for fp8 (before fp8 rows
+  // took their keys by VDPBF16PS; docs/attention.md, session 19). false:
+  // for A/B runs and tests.
   bool nhd_rows = true;
 };
 
