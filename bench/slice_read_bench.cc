@@ -1,7 +1,7 @@
 // How fast one thread reads the paged cache's access pattern, with no
 // attention arithmetic (or with the V pass's, as a model): the ceiling the
-// kernel's "of read" is measured under. docs/attention.md (session 9) has
-// the numbers this tool gave.
+// kernel's "of read" is measured under. docs/attention.md (sessions 9 and
+// 20) has the numbers this tool gave.
 //
 //   build/bench/slice_read_bench [--pool_mib=1024] [--passes=5]
 //
@@ -22,8 +22,24 @@
 //                    odd halves, 4 heads x 2 FMAs into lanes in L1), one
 //                    block at a time; pairs: the same on two blocks side by
 //                    side, as PairSweepZ reads them.
-// All patterns prefetch as the kernel does: prefetcht1 line by line about
-// a block (4 KB) ahead, and the first 8 lines of the page 4 slices ahead.
+// These prefetch as the kernel did in session 9: prefetcht1 line by line
+// about a block (4 KB) ahead, and the first 8 lines of the page 4 slices
+// ahead.
+//
+// Then the "work" table (session 20): what a pass's work between its loads
+// does to how fast one core gets random slices. Each pass reads 4 KB pages
+// in one of three orders: `random` (the slices 4 KB order above), `seq`
+// (the pool in order) and `warm` (48 pages, 192 KB, over and over: the
+// work's own speed, from L2); it prefetches as the K pass does on AMD
+// (prefetchnta line by line 8 KB ahead, plus the first 8 lines of the page
+// 4 pages ahead), and does per 64-byte line:
+//   none   sums the line (as the lines above);
+//   nop    the same, plus one NOP;
+//   fma    the widening K pass's bf16 work for 4 heads: a shift and a mask
+//          split the line into even and odd halves, then 8 FMAs into 8
+//          register accumulators;
+//   dot    the VDPBF16PS K pass's: 4 VDPBF16PS into 8 accumulators (AVX512-
+//          BF16 CPUs only).
 // Needs AVX-512F (the kernel's 16-lane passes do too).
 #include <algorithm>
 #include <chrono>
@@ -148,6 +164,65 @@ __attribute__((target("avx512f"))) uint64_t ReadRows(
   return sum + static_cast<uint64_t>(lanes[0]);
 }
 
+// What WorkPass does per line (see the top of this file).
+enum Work { kWorkNone, kWorkNop, kWorkFma, kWorkDot };
+
+// One pass over `pages` (4 KB each) with the K pass's prefetch on AMD and
+// kW's work per line; returns a sum that keeps the loads alive. kWorkDot
+// issues VDPBF16PS by inline assembly, so that the function needs no
+// AVX512-BF16 target (its caller checks the CPU).
+template <int kW>
+__attribute__((target("avx512f"))) float WorkPass(
+    const std::vector<const char*>& pages) {
+  constexpr ptrdiff_t kAheadPages = 2;  // 8 KB, line by line
+  __m512 acc[8];
+  for (__m512& a : acc) a = _mm512_setzero_ps();
+  __m512 w[4];
+  for (int i = 0; i < 4; ++i) w[i] = _mm512_set1_ps(0.25f * float(i + 1));
+  __m512i sum = _mm512_setzero_si512();
+  const size_t n = pages.size();
+  for (size_t s = 0; s < n; ++s) {
+    const char* b = pages[s];
+    if (s + 4 < n) {
+      for (ptrdiff_t l = 0; l < 8; ++l) {
+        _mm_prefetch(pages[s + 4] + 64 * l, _MM_HINT_NTA);
+      }
+    }
+    const char* ahead = s + kAheadPages < n ? pages[s + kAheadPages] : b;
+    // Two lines a step, so that kWorkDot's 8 accumulators stay in
+    // registers (4 heads x 2 lines).
+    for (ptrdiff_t o = 0; o < ptrdiff_t{kPage}; o += 128) {
+#pragma GCC unroll 2
+      for (ptrdiff_t k = 0; k < 2; ++k) {
+        _mm_prefetch(ahead + o + 64 * k, _MM_HINT_NTA);
+        const __m512i x = _mm512_load_si512(b + o + 64 * k);
+        if constexpr (kW == kWorkNone || kW == kWorkNop) {
+          sum = _mm512_add_epi64(sum, x);
+          if constexpr (kW == kWorkNop) asm volatile("nop");
+        } else if constexpr (kW == kWorkFma) {
+          const __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+          const __m512 od = _mm512_castsi512_ps(
+              _mm512_and_si512(x, _mm512_set1_epi32(int32_t{-65536})));
+          for (ptrdiff_t i = 0; i < 4; ++i) {
+            acc[2 * i] = _mm512_fmadd_ps(w[i], e, acc[2 * i]);
+            acc[2 * i + 1] = _mm512_fmadd_ps(w[i], od, acc[2 * i + 1]);
+          }
+        } else {
+          for (ptrdiff_t i = 0; i < 4; ++i) {
+            asm("vdpbf16ps %2, %1, %0"
+                : "+v"(acc[4 * k + i])
+                : "v"(x), "v"(w[i]));
+          }
+        }
+      }
+    }
+  }
+  __m512 t = _mm512_setzero_ps();
+  for (const __m512& a : acc) t = _mm512_add_ps(t, a);
+  return _mm512_reduce_add_ps(t) +
+         static_cast<float>(_mm512_reduce_add_epi64(sum));
+}
+
 struct Pool {
   std::shared_ptr<Allocation> mem;
   char* base = nullptr;
@@ -163,7 +238,9 @@ class Runner {
     pool_.mem = *CpuDevice()->Allocate(pool_bytes);
     pool_.base = static_cast<char*>(pool_.mem->data());
     pool_.bytes = pool_bytes / kBlock * kBlock;
-    std::memset(pool_.base, 1, pool_.bytes);
+    // 0x3f bytes: every bf16 pair and fp32 word of it a normal number (about
+    // 0.75), so that the arithmetic patterns meet no denormals.
+    std::memset(pool_.base, 0x3f, pool_.bytes);
   }
 
   // Best GB/s over the passes of fn (which reads the whole pool once).
@@ -297,6 +374,25 @@ int Main(int argc, char** argv) {
       return ReadRows(run.pool().base, blocks, arith, run.lanes());
     }));
   }
+
+  // The work table: GB/s of each order, "of seq" against the first line.
+  const std::vector<const char*> random = run.Slices(kPage);
+  std::vector<const char*> warm(seq.size());
+  for (size_t i = 0; i < warm.size(); ++i) warm[i] = random[i % 48];
+  std::printf("\n%-8s %8s %8s %8s %8s\n", "work", "random", "of seq", "seq",
+              "warm");
+  auto work = [&](const char* name, auto pass) {
+    const double r = run.Best([&] { return pass(random); });
+    const double q = run.Best([&] { return pass(seq); });
+    const double h = run.Best([&] { return pass(warm); });
+    std::printf("%-8s %8.2f %7.0f%% %8.2f %8.2f\n", name, r, 100 * r / base, q,
+                h);
+    std::fflush(stdout);
+  };
+  work("none", WorkPass<kWorkNone>);
+  work("nop", WorkPass<kWorkNop>);
+  work("fma", WorkPass<kWorkFma>);
+  if (__builtin_cpu_supports("avx512bf16")) work("dot", WorkPass<kWorkDot>);
   return 0;
 }
 
