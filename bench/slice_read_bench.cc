@@ -28,9 +28,11 @@
 //
 // Then the "work" table (session 20): what a pass's work between its loads
 // does to how fast one core gets random slices. Each pass reads 4 KB pages
-// in one of three orders: `random` (the slices 4 KB order above), `seq`
-// (the pool in order) and `warm` (48 pages, 192 KB, over and over: the
-// work's own speed, from L2); it prefetches as the K pass does on AMD
+// in one of four orders: `random` (the slices 4 KB order above), `rand32`
+// (the slices 32 KB order: an NHD block's K or V rows over 8 KV heads, read
+// whole; session 21), `seq` (the pool in order) and `warm` (48 pages, 192
+// KB, over and over: the work's own speed, from L2); it prefetches as the
+// K pass does on AMD
 // (prefetchnta line by line 8 KB ahead, plus the first 8 lines of the page
 // 4 pages ahead), and does per 64-byte line:
 //   none   sums the line (as the lines above);
@@ -379,14 +381,16 @@ int Main(int argc, char** argv) {
   const std::vector<const char*> random = run.Slices(kPage);
   std::vector<const char*> warm(seq.size());
   for (size_t i = 0; i < warm.size(); ++i) warm[i] = random[i % 48];
-  std::printf("\n%-8s %8s %8s %8s %8s\n", "work", "random", "of seq", "seq",
-              "warm");
+  const std::vector<const char*> random32 = run.Slices(32 * 1024);
+  std::printf("\n%-8s %8s %8s %8s %8s %8s %8s\n", "work", "random", "of seq",
+              "rand32", "of seq", "seq", "warm");
   auto work = [&](const char* name, auto pass) {
     const double r = run.Best([&] { return pass(random); });
+    const double r32 = run.Best([&] { return pass(random32); });
     const double q = run.Best([&] { return pass(seq); });
     const double h = run.Best([&] { return pass(warm); });
-    std::printf("%-8s %8.2f %7.0f%% %8.2f %8.2f\n", name, r, 100 * r / base, q,
-                h);
+    std::printf("%-8s %8.2f %7.0f%% %8.2f %7.0f%% %8.2f %8.2f\n", name, r,
+                100 * r / base, r32, 100 * r32 / base, q, h);
     std::fflush(stdout);
   };
   work("none", WorkPass<kWorkNone>);
