@@ -32,9 +32,9 @@
 // (the slices 32 KB order: an NHD block's K or V rows over 8 KV heads, read
 // whole; session 21), `seq` (the pool in order) and `warm` (48 pages, 192
 // KB, over and over: the work's own speed, from L2); it prefetches as the
-// K pass does on AMD
-// (prefetchnta line by line 8 KB ahead, plus the first 8 lines of the page
-// 4 pages ahead), and does per 64-byte line:
+// vLLM layout's K pass does on AMD (prefetchnta line by line 8 KB ahead,
+// plus the first 8 lines of the page 4 pages ahead), and does per 64-byte
+// line:
 //   none   sums the line (as the lines above);
 //   nop    the same, plus one NOP;
 //   fma    the widening K pass's bf16 work for 4 heads: a shift and a mask
