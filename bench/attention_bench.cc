@@ -15,7 +15,7 @@
 //       [--context=N] [--batch=N] [--threads=N]
 //       [--kernel=v1|v2] [--isa=avx512|avx2|portable] [--kv_heads=8]
 //       [--prefill=N] [--warm] [--vs=isa=avx2|kernel=v1|kernel=v2|...]
-//       [--pool_mib=N] [--tables=random|sorted|sequential]
+//       [--pool_mib=N] [--tables=random|sorted|sequential|descending]
 //       [--prefetch=auto|nta|t0|t1] [--flush_mib=N]
 //       [--bf16_keys=auto|dot|widen] [--amx=on|off] [--fp8_dot=on|off]
 //       [--nhd_rows=on|off]
@@ -30,7 +30,9 @@
 // --tables=sorted sorts each row's random blocks by address; --tables=
 // sequential gives row r the pool's blocks r * w .. r * w + w - 1
 // (w blocks a row) in order, as a fresh pool would to one growing
-// sequence, instead of a random draw from the pool.
+// sequence, instead of a random draw from the pool; --tables=descending
+// the same blocks highest first, as kvstep's default allocator
+// (BlockOrder::kDescending) hands them out.
 //
 // --touch_min_mib and --touch_min_blocks set AttentionParams' slice touch
 // gates (by default this CPU's; 0 and 0 touch every item, a huge
@@ -369,7 +371,11 @@ struct Options {
   // address order would read); kSequential, row r holds blocks r * w .. r *
   // w + w - 1 in order, as a fresh pool hands them to one growing sequence.
   // The gaps between them are the random pattern's cost, not the kernel's.
-  enum class Tables { kRandom, kSorted, kSequential };
+  // kDescending, row r holds blocks r * w + w - 1 .. r * w, highest
+  // first: what kvstep's default allocator (BlockOrder::kDescending, a
+  // LIFO free list) hands a fresh pool's prefills, and a freed table's
+  // blocks again to the next allocation of the same size.
+  enum class Tables { kRandom, kSorted, kSequential, kDescending };
   Tables tables = Tables::kRandom;
   Tables vs_tables = Tables::kRandom;  // B's, with --vs=tables=...
   // Cold: each call starts with the layer's K/V out of the caches, as in a
@@ -495,10 +501,16 @@ Setup MakeSetup(DType dtype, int64_t ctx, int64_t batch, const Options& o) {
   auto tables = [&](Options::Tables kind) {
     std::vector<int64_t> perm(c.num_blocks);
     std::iota(perm.begin(), perm.end(), 0);
-    if (kind != Options::Tables::kSequential) {
-      std::shuffle(perm.begin(), perm.end(), std::mt19937_64(1));
-    }
+    const bool runs = kind == Options::Tables::kSequential ||
+                      kind == Options::Tables::kDescending;
+    if (!runs) std::shuffle(perm.begin(), perm.end(), std::mt19937_64(1));
     perm.resize(per_row * batch);
+    if (kind == Options::Tables::kDescending) {
+      for (int64_t r = 0; r < batch; ++r) {
+        std::reverse(perm.begin() + r * per_row,
+                     perm.begin() + (r + 1) * per_row);
+      }
+    }
     if (kind == Options::Tables::kSorted) {
       for (int64_t r = 0; r < batch; ++r) {
         std::sort(perm.begin() + r * per_row, perm.begin() + (r + 1) * per_row);
@@ -593,13 +605,15 @@ bool ParsePollFlag(const std::string& a, Options::Polls* polls) {
   return false;
 }
 
-// --tables=random|sorted|sequential into *t; false for any other flag.
+// --tables=random|sorted|sequential|descending into *t; false for any other
+// flag.
 bool ParseTables(const std::string& a, Options::Tables* t) {
   using T = Options::Tables;
   for (const auto& [name, kind] :
        {std::pair<const char*, T>{"--tables=random", T::kRandom},
         {"--tables=sorted", T::kSorted},
-        {"--tables=sequential", T::kSequential}}) {
+        {"--tables=sequential", T::kSequential},
+        {"--tables=descending", T::kDescending}}) {
     if (a == name) {
       *t = kind;
       return true;
@@ -614,6 +628,8 @@ const char* TablesName(Options::Tables t) {
       return "sorted random";
     case Options::Tables::kSequential:
       return "sequential";
+    case Options::Tables::kDescending:
+      return "descending";
     case Options::Tables::kRandom:
       break;
   }
