@@ -282,9 +282,9 @@ bool AmdVendor() {
 AttentionParams::Prefetch ResolvePrefetch(AttentionParams::Prefetch p,
                                           DType cache) {
   if (p != AttentionParams::Prefetch::kAuto) return p;
-  if (!AmdVendor()) return AttentionParams::Prefetch::kT1;
-  return cache == DType::kFloat32 ? AttentionParams::Prefetch::kT0
-                                  : AttentionParams::Prefetch::kNta;
+  (void)cache;  // every cache dtype takes the same hint since session 22
+  return AmdVendor() ? AttentionParams::Prefetch::kT0
+                     : AttentionParams::Prefetch::kT1;
 }
 
 // The slice touch's gates (AttentionParams::touch_min_bytes and

@@ -84,11 +84,14 @@ struct AttentionParams {
   // 1-9% more than kT1 (docs/attention.md, session 8). With kT0 and kT1
   // the passes also start the core's L2 streamer on the blocks 4 ahead
   // (2-10% less time there). kAuto: kT1 except on AMD (and Hygon) CPUs,
-  // which take kNta, and kT0 for fp32 caches: on Zen 5, fp32 calls took
-  // 0.94-0.97x the time with kT0 in 8 of 8 cases and kNta 0.98-1.07x of
-  // kT0's in the reverse order (session 15; bf16 was mixed, 0.92-1.01x one
-  // way and 1.02-1.24x the other; fp16 took 1.06-1.07x with kT0, session
-  // 14). The others force one, for benchmarks (attention_bench
+  // which take kT0: on Zen 5, fp32 calls took 0.94-0.97x the time with kT0
+  // in 8 of 8 cases and kNta 0.98-1.07x of kT0's in the reverse order
+  // (session 15), and since session 22 every cache dtype: vLLM-layout
+  // decode calls took 0.86-0.97x the time with kT0 than with kNta on one
+  // thread for bf16 and fp16, 0.94-0.98x on two, fp8 0.91-1.00x, NHD and
+  // prefill calls 0.998-1.003x (in session 14 bf16 had been mixed and fp16
+  // had taken 1.06-1.07x with kT0, before session 18 left kT0 its key
+  // stream starts only). The others force one, for benchmarks (attention_bench
   // --vs=prefetch=...) and for kvstep-server --attention_prefetch. The
   // 8-wide passes (the AVX2 build; MHA and fp8 caches in the AVX-512 one)
   // take prefetcht1 for kT1 and prefetcht0 otherwise. The hint changes

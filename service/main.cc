@@ -50,9 +50,8 @@ ABSL_FLAG(int64_t, attention_idle_poll_us, -1,
           "call before it sleeps, in us (-1: the default, 2000; 0: sleep at "
           "once); see docs/operations.md");
 ABSL_FLAG(std::string, attention_prefetch, "auto",
-          "PagedAttention's K/V prefetch hint: auto (prefetchnta on AMD, "
-          "prefetcht0 there for fp32 caches, prefetcht1 elsewhere), nta, t0 "
-          "or t1; see docs/attention.md");
+          "PagedAttention's K/V prefetch hint: auto (prefetcht0 on AMD, "
+          "prefetcht1 elsewhere), nta, t0 or t1; see docs/attention.md");
 ABSL_FLAG(double, watermark, 0.01,
           "CanAllocate answers LATER below this fraction of free blocks");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(5),
