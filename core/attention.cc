@@ -226,15 +226,18 @@ inline int64_t QueryParts(DType dt) {
 
 // A thread's scratch, reused across its items and their chunks.
 struct Scratch {
-  LineVector<float> q;             // [virtual heads][head_size], scaled
-  LineVector<float> q2;            // q laid out for the key tiles
-  LineVector<uint16_t> qb;         // bf16 q (or its AMX parts), unscaled
-  LineVector<float> logits;        // [virtual heads][keys, padded to 8]
-  LineVector<float> lanes;         // vLLM values: [v][head_size][8 or 16]
-  LineVector<float> weights;       // a partial block's weights, zero-padded;
-                                   // AMX: weight tiles and carried sums
-  LineVector<float> m, s, acc;     // a chunk's results (Partial's outputs)
-  LineVector<float> part;          // NHD rows: a key segment's acc, m and s
+  LineVector<float> q;          // [virtual heads][head_size], scaled
+  LineVector<float> q2;         // q laid out for the key tiles
+  LineVector<uint16_t> qb;      // bf16 q (or its AMX parts), unscaled
+  LineVector<float> logits;     // [virtual heads][keys, padded to 8]
+  LineVector<float> lanes;      // vLLM values: [v][head_size][8 or 16]
+  LineVector<float> weights;    // a partial block's weights, zero-padded;
+                                // AMX: weight tiles and carried sums
+  LineVector<float> m, s, acc;  // a chunk's results (Partial's outputs)
+  LineVector<float> part;       // rows: a key segment's acc, m and s
+  // Where the vLLM value passes' weights start in `logits` (vLLM rows:
+  // KV head h's, after the logits of heads 0 .. h - 1); 0 otherwise.
+  int64_t logits_off = 0;
   std::vector<amx::Tile16> tiles;  // a prefill chunk's, for AMX
 };
 
@@ -254,6 +257,10 @@ std::atomic<int64_t> fp8_dot_passes{0};
 // NHD key segments read a whole row at a time (Attender::PartialRow), for
 // tests: internal::NhdRowPasses.
 std::atomic<int64_t> nhd_row_passes{0};
+
+// vLLM-layout key segments read a whole row at a time (Attender::
+// PartialRowVllm), for tests: internal::VllmRowPasses.
+std::atomic<int64_t> vllm_row_passes{0};
 
 // Whether this CPU's vendor is AMD (or Hygon, whose cores are AMD's Zen):
 // the kernel's choices that were measured to differ by CPU (the prefetch
@@ -1026,14 +1033,15 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   const int64_t threads = pool != nullptr ? pool->num_threads() : 1;
   // Items are (row, KV head), or whole rows where the kernel reads all of
   // a row's KV heads at once (Attender::RowTokens: the NHD layout, rows of
-  // few query tokens); heads [h0, h1) of an item's row.
+  // few query tokens; the vLLM layout, decode rows); heads [h0, h1) of an
+  // item's row.
   int64_t max_tokens = 0;
   for (int64_t r = 0; r < rows.num_real; ++r) {
     max_tokens =
         std::max(max_tokens, rows.query_start[r + 1] - rows.query_start[r]);
   }
   const bool by_rows = a.RowTokens() > 0 && max_tokens <= a.RowTokens();
-  const int64_t heads_per_item = by_rows ? kvh : 1;
+  const int64_t heads_per_item = by_rows ? a.RowHeads() : 1;
   const int64_t items = rows.num_real * (kvh / heads_per_item);
   auto item_heads = [&](int64_t item, int64_t* r, int64_t* h0) {
     *r = item / (kvh / heads_per_item);
@@ -1326,6 +1334,7 @@ int64_t ConvertingRedos() { return converting_redos.load(); }
 int64_t AmxPasses() { return amx_passes.load(); }
 int64_t Fp8DotPasses() { return fp8_dot_passes.load(); }
 int64_t NhdRowPasses() { return nhd_row_passes.load(); }
+int64_t VllmRowPasses() { return vllm_row_passes.load(); }
 
 int64_t ClaimSize(int64_t n, int64_t kvh, int64_t threads) {
   return kvstep::ClaimSize(n, kvh, threads);

@@ -19,7 +19,9 @@
 // Work is split by (row, KV head): the query heads of a GQA group share each
 // K/V block read. In the NHD layout, rows of few query tokens are split by
 // row instead, each block's token rows read whole (AttentionParams::
-// nhd_rows). The partitioned kernel (vLLM v2) also splits long
+// nhd_rows); in the vLLM layout, decode rows are split by row too, their
+// keys read a block (every KV head) at a time (AttentionParams::
+// vllm_rows). The partitioned kernel (vLLM v2) also splits long
 // contexts into partitions reduced by max/exp-sum, for parallelism when
 // there are few rows. Calls smaller than params.parallel_min_bytes run on
 // the calling thread only. Thread-compatible: the caller serializes
@@ -156,6 +158,22 @@ struct AttentionParams {
   // took their keys by VDPBF16PS; docs/attention.md, session 19). false:
   // for A/B runs and tests.
   bool nhd_rows = true;
+  // Whether the AVX-512 build takes a vLLM-layout cache's decode rows (one
+  // query token) a row at a time, where the block size is a multiple of
+  // 16 and the cache is 16-bit or fp32: one item per row whose K pass reads
+  // each block's keys of every KV head (head_size * block_size elements a
+  // head, one after another: a contiguous run) in address order, before
+  // each KV head's softmax and V pass; an item per (row, KV head) reads
+  // one head's slice of each block and leaves the rest to later items.
+  // The V pass stays per KV head: its lanes (16 KB a head) would leave L1
+  // over all heads. On Zen 5, one thread (contexts 2k-16k, random tables):
+  // fp32 calls took 0.90-0.95x the time, bf16 0.96-0.99x up to 8k keys
+  // (the K pass alone 0.90-0.95x) but 1.01-1.03x at 16k, fp16 0.95-1.00x;
+  // so 16-bit caches take it only for calls whose rows have at most
+  // kVllmRowKeys (8192) keys (docs/attention.md, session 23). Prefill
+  // rows, fp8 caches and 8-token blocks: an item per (row, KV head).
+  // false: for A/B runs and tests.
+  bool vllm_rows = true;
 };
 
 // Whether this CPU runs `isa` (kBest and kPortable: always), its name, and
@@ -252,6 +270,10 @@ int64_t Fp8DotPasses();
 // How many key segments of NHD rows were read a whole row at a time, over
 // all KV heads (AttentionParams::nhd_rows), since the process started.
 int64_t NhdRowPasses();
+// How many key segments of vLLM-layout decode rows were read a whole row
+// at a time, over all KV heads (AttentionParams::vllm_rows), since the
+// process started.
+int64_t VllmRowPasses();
 // How many consecutive (row, KV head) items of n a thread claims at a time
 // (kvh KV heads a row, `threads` threads); see attention.cc.
 int64_t ClaimSize(int64_t n, int64_t kvh, int64_t threads);

@@ -389,9 +389,10 @@ struct Case {
   bool flagged = false;
   int64_t touch_min_bytes = AttentionParams().touch_min_bytes;
   int64_t touch_min_blocks = AttentionParams().touch_min_blocks;
-  bool amx = true;       // AttentionParams::amx
-  bool nhd_rows = true;  // AttentionParams::nhd_rows
-  double scale = 0;      // AttentionParams::scale (0: 1 / sqrt(head_size))
+  bool amx = true;        // AttentionParams::amx
+  bool nhd_rows = true;   // AttentionParams::nhd_rows
+  bool vllm_rows = true;  // AttentionParams::vllm_rows
+  double scale = 0;       // AttentionParams::scale (0: 1 / sqrt(head_size))
 };
 
 Case Make(CacheLayout layout, DType cache, DType act, int64_t heads,
@@ -497,6 +498,7 @@ void Check(const Case& k) {
   p.bf16_keys = k.bf16_keys;
   p.amx = k.amx;
   p.nhd_rows = k.nhd_rows;
+  p.vllm_rows = k.vllm_rows;
   if (k.alibi) {
     for (int64_t h = 0; h < H; ++h)
       p.alibi_slopes.push_back(std::pow(2.0f, -(h + 1)));
@@ -1266,6 +1268,72 @@ TEST(PagedAttention, NhdRowsOverEveryKvHead) {
   Check(k);
   if (HasFatalFailure()) return;
   EXPECT_EQ(internal::NhdRowPasses() > before, avx512);
+}
+
+// vLLM-layout decode rows read a block of every KV head at a time
+// (AttentionParams::vllm_rows, the AVX-512 build): bf16 (keys by VDPBF16PS
+// against a bf16 query, widened against an fp32 one), fp16 (split) and fp32
+// caches; GQA 4 (head 64, block 32: two key tiles a block), GQA 3 (head 80:
+// 10 chunks), GQA 8 (head 120: two head tiles a KV head), MHA (head 128);
+// block 8 and MQA take an item per KV head. A batch of decode rows only
+// (contexts 1100 and 23, a block boundary, padding); a window of 600 that
+// starts keys mid-block; ALiBi. At 5000 keys, 16 heads over 4 KV heads
+// (320 KB of logits a row): fp32 by rows, 16-bit caches an item per KV
+// head (rows only up to 256 KB). At 9000 keys, 8 heads over 2: fp32 in two
+// segments merged (single-pass kernel; the partitioned one's partitions
+// are one each), 16-bit caches an item per KV head (288 KB).
+// Every case also without vllm_rows. fp16 keys the split cannot take (Inf,
+// NaN, huge queries) on this path: Fp16InfAndNanInTheCacheAndHugeQueries.
+TEST(PagedAttention, VllmDecodeRowsOverEveryKvHead) {
+  const bool avx512 = IsaSupported(AttentionParams::Isa::kAvx512);
+  struct Shape {
+    int64_t heads, kv_heads, head_size, block_size;
+  };
+  const Shape shapes[] = {{8, 2, 64, 32},  {6, 2, 80, 16}, {16, 2, 120, 16},
+                          {2, 2, 128, 16}, {4, 1, 64, 16}, {8, 2, 64, 8},
+                          {16, 4, 64, 16}};
+  for (const Shape& sh : shapes) {
+    for (DType d : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+      for (DType act : {d, DType::kFloat32}) {
+        for (bool rows : {true, false}) {
+          for (int64_t context : {1100, 5000, 9000}) {
+            // 5000 keys: 16 heads over 4 only; 9000: 8 over 2, block 32.
+            if ((context == 5000) != (sh.kv_heads == 4) ||
+                (context == 9000 && (sh.block_size != 32 || act != d))) {
+              continue;
+            }
+            Case k = Make(CacheLayout::kVllm, d, act, sh.heads, sh.kv_heads);
+            k.head_size = sh.head_size;
+            k.block_size = sh.block_size;
+            k.context = context;
+            k.prefill_tokens = 1;  // every row decodes
+            k.window = sh.heads == 16 ? 600 : 0;
+            k.alibi = sh.heads == 6;
+            k.vllm_rows = rows;
+            k.bf16_keys = AttentionParams::Bf16Keys::kDot;
+            const int64_t before = internal::VllmRowPasses();
+            Check(k);
+            if (HasFatalFailure()) return;
+            // 16-bit: where the logits of every query head over the
+            // longest row fit 256 KB.
+            const bool fit = sh.heads * context * 4 <= int64_t{256} * 1024;
+            EXPECT_EQ(internal::VllmRowPasses() > before,
+                      avx512 && rows && sh.kv_heads > 1 &&
+                          sh.block_size % 16 == 0 &&
+                          (d == DType::kFloat32 || fit))
+                << DTypeName(d) << " heads " << sh.heads << " block "
+                << sh.block_size << " context " << context;
+          }
+        }
+      }
+    }
+  }
+  // A prefill row in the batch: an item per KV head for every row.
+  Case k = Make(CacheLayout::kVllm, DType::kBFloat16, DType::kBFloat16, 8, 2);
+  const int64_t before = internal::VllmRowPasses();
+  Check(k);
+  if (HasFatalFailure()) return;
+  EXPECT_EQ(internal::VllmRowPasses(), before);
 }
 
 // Prefill chunks of 16-bit caches in the vLLM layout (the AVX-512 build's
