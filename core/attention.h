@@ -166,13 +166,15 @@ struct AttentionParams {
   // each KV head's softmax and V pass; an item per (row, KV head) reads
   // one head's slice of each block and leaves the rest to later items.
   // The V pass stays per KV head: its lanes (16 KB a head) would leave L1
-  // over all heads. On Zen 5, one thread (contexts 2k-16k, random tables):
-  // fp32 calls took 0.90-0.95x the time, bf16 0.96-0.99x up to 8k keys
-  // (the K pass alone 0.90-0.95x) but 1.01-1.03x at 16k, fp16 0.95-1.00x;
-  // so 16-bit caches take it only for calls whose rows have at most
-  // kVllmRowKeys (8192) keys (docs/attention.md, session 23). Prefill
-  // rows, fp8 caches and 8-token blocks: an item per (row, KV head).
-  // false: for A/B runs and tests.
+  // over all heads. On Zen 5 (random tables, call by call): fp32 calls
+  // took 0.89-0.96x the time at 1k-16k keys, batches 4-32, one and two
+  // threads; bf16 0.96-0.98x and fp16 0.93-0.96x at 1k-2k keys, batches
+  // 16-32, one thread (two threads 0.99-1.01x), but bf16 1.00-1.04x at
+  // 4k-8k keys, where the logits of every head of a row, written before
+  // any V pass reads them, pass 256 KB. So 16-bit caches take it only
+  // where a row's logits (query heads x keys x 4 bytes) fit 256 KB
+  // (docs/attention.md, session 23). Prefill rows, fp8 caches and 8-token
+  // blocks: an item per (row, KV head). false: for A/B runs and tests.
   bool vllm_rows = true;
 };
 
