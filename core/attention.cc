@@ -1051,14 +1051,17 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   // and contexts are long enough to split. Measured with attention_bench
   // on 2 threads, batch 1, bf16 (docs/attention.md): one KV head, v2 takes
   // 0.53x v1's time; two, about equal; eight, v1 is as fast or faster,
-  // since v2 adds a reduction pass. One thread has nothing to balance: a
-  // batch of one row item (NHD or vLLM rows) took 0.92-0.93x v2's time by
-  // v1 in the vLLM layout and 0.97-0.99x in NHD (bf16 and fp32, 1024 keys;
-  // session 23).
-  const bool partitioned = p.kernel == AttentionParams::Kernel::kPartitioned ||
-                           (p.kernel == AttentionParams::Kernel::kAuto &&
-                            max_parts > 1 && threads > 1 &&
-                            items < int64_t{2} * threads);
+  // since v2 adds a reduction pass. Row items on one thread have nothing
+  // to balance: a batch of one row item (NHD or vLLM rows) took 0.92-0.93x
+  // v2's time by v1 in the vLLM layout and 0.97-0.99x in NHD (bf16 and
+  // fp32, 1024 keys; session 23), and rows bound their logits by segments.
+  // Per-head items keep v2 there: their single pass holds the logits of a
+  // whole row (an MQA prefill chunk at 32k keys: 16 tokens x 32 heads x 32k
+  // floats, 64 MB), v2's 512-key partitions do not.
+  const bool partitioned =
+      p.kernel == AttentionParams::Kernel::kPartitioned ||
+      (p.kernel == AttentionParams::Kernel::kAuto && max_parts > 1 &&
+       items < int64_t{2} * threads && !(threads == 1 && by_rows));
   auto run = [&](const std::function<void(int64_t)>& fn, int64_t n) {
     if (pool != nullptr) {
       pool->ParallelFor(n, fn);
