@@ -1054,7 +1054,8 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   // since v2 adds a reduction pass. Row items on one thread have nothing
   // to balance: a batch of one row item (NHD or vLLM rows) took 0.92-0.93x
   // v2's time by v1 in the vLLM layout and 0.97-0.99x in NHD (bf16 and
-  // fp32, 1024 keys; session 23), and rows bound their logits by segments.
+  // fp32, 1024 keys; vLLM bf16 at 4096 keys 0.88x; session 23), and rows
+  // bound their logits by segments.
   // Per-head items keep v2 there: their single pass holds the logits of a
   // whole row (an MQA prefill chunk at 32k keys: 16 tokens x 32 heads x 32k
   // floats, 64 MB), v2's 512-key partitions do not.
