@@ -1041,7 +1041,7 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
         std::max(max_tokens, rows.query_start[r + 1] - rows.query_start[r]);
   }
   const bool by_rows = a.RowTokens() > 0 && max_tokens <= a.RowTokens();
-  const int64_t heads_per_item = by_rows ? a.RowHeads() : 1;
+  const int64_t heads_per_item = by_rows ? kvh : 1;
   const int64_t items = rows.num_real * (kvh / heads_per_item);
   auto item_heads = [&](int64_t item, int64_t* r, int64_t* h0) {
     *r = item / (kvh / heads_per_item);
