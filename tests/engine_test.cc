@@ -594,8 +594,9 @@ TEST(EngineOptions, AttentionPrefetchIsReportedAndChangesNoResult) {
       EXPECT_EQ(bytes, first) << PrefetchName(hint);
     }
   }
-  // kAuto is resolved by the server's cache dtype (prefetcht0 for fp32
-  // caches on AMD, session 15): the report names the fp32 choice.
+  // kAuto is resolved by the server's cache dtype (BestPrefetch; on AMD
+  // every dtype has taken prefetcht0 since session 22, fp32 alone before):
+  // the report names the fp32 choice.
   EngineOptions o;
   o.cache.num_blocks = 8;
   o.cache.dtype = DType::kFloat32;
