@@ -18,7 +18,7 @@
 //       [--pool_mib=N] [--tables=random|sorted|sequential|descending]
 //       [--prefetch=auto|nta|t0|t1] [--flush_mib=N]
 //       [--bf16_keys=auto|dot|widen] [--amx=on|off] [--fp8_dot=on|off]
-//       [--nhd_rows=on|off] [--vllm_rows=on|off]
+//       [--nhd_rows=on|off] [--vllm_rows=on|off] [--prefetch_l2=on|off]
 //       [--touch_min_mib=N] [--touch_min_blocks=N] [--pool_poll_us=N]
 //       [--pool_idle_poll_us=N]
 //       [--query=bfloat16|float16|float32]
@@ -48,7 +48,8 @@
 // round's read pass (about 8 ms) is never bridged.
 //
 // --vs=FLAG (any of --isa=, --kernel=, --prefetch=, --bf16_keys=, --amx=,
-// --fp8_dot=, --nhd_rows=, --vllm_rows=, --touch_min_mib=, --touch_min_blocks=,
+// --fp8_dot=, --nhd_rows=, --vllm_rows=, --prefetch_l2=, --touch_min_mib=,
+// --touch_min_blocks=,
 // --pool_poll_us=, --pool_idle_poll_us=, --tables=) times a second
 // configuration call by call against the first, in the same process and on the
 // same cache: A, B, A, B, ... each after its own cache flush. It prints both
@@ -291,6 +292,7 @@ std::string Describe(const AttentionParams& p) {
                                                              : "auto") +
          (p.nhd_rows ? "" : ", NHD items per KV head") +
          (p.vllm_rows ? "" : ", vLLM decode items per KV head") +
+         (p.prefetch_l2 ? "" : ", no second prefetch into L2") +
          (p.amx && kvstep::AmxSupported()
               ? ", AMX for 16-bit prefill chunks (beyond the FMA peak)"
               : "") +
@@ -306,8 +308,8 @@ std::string Describe(const AttentionParams& p) {
 }
 
 // --isa=..., --kernel=..., --prefetch=..., --bf16_keys=..., --amx=...,
-// --fp8_dot=..., --nhd_rows=..., --vllm_rows=..., --touch_min_mib=N and
-// --touch_min_blocks=N
+// --fp8_dot=..., --nhd_rows=..., --vllm_rows=..., --prefetch_l2=...,
+// --touch_min_mib=N and --touch_min_blocks=N
 // into *p; false for any other flag.
 bool ParseParamFlag(const std::string& a, AttentionParams* p) {
   using Isa = AttentionParams::Isa;
@@ -340,6 +342,8 @@ bool ParseParamFlag(const std::string& a, AttentionParams* p) {
     p->nhd_rows = a == "--nhd_rows=on";
   } else if (a == "--vllm_rows=on" || a == "--vllm_rows=off") {
     p->vllm_rows = a == "--vllm_rows=on";
+  } else if (a == "--prefetch_l2=on" || a == "--prefetch_l2=off") {
+    p->prefetch_l2 = a == "--prefetch_l2=on";
   } else if (a.rfind("--touch_min_mib=", 0) == 0) {
     const int64_t mib = std::stoll(a.substr(16));  // < 0: auto
     p->touch_min_bytes = mib < 0 ? -1 : mib << 20;
@@ -779,7 +783,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "--vs takes isa=..., kernel=..., prefetch=..., "
                    "bf16_keys=..., amx=..., fp8_dot=..., nhd_rows=..., "
-                   "vllm_rows=..., "
+                   "vllm_rows=..., prefetch_l2=..., "
                    "touch_min_mib=..., "
                    "touch_min_blocks=..., pool_poll_us=..., "
                    "pool_idle_poll_us=... or tables=..., not %s\n",

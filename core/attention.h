@@ -176,6 +176,20 @@ struct AttentionParams {
   // (docs/attention.md, session 23). Prefill rows, fp8 caches and 8-token
   // blocks: an item per (row, KV head). false: for A/B runs and tests.
   bool vllm_rows = true;
+  // Whether the AVX-512 passes over a 16-bit vLLM-layout cache (keys by
+  // 16-token tiles, values by pairs) prefetch each line twice where they
+  // prefetch with prefetcht0 (prefetch kAuto on AMD, or kT0): into L1
+  // about 8 KB ahead of their reads, as always, and into L2
+  // (prefetcht1) one key slice or one value sweep further. With random
+  // block tables neither the L1 prefetches alone (each holds one of the
+  // core's few L1 miss slots until its line comes from memory) nor the
+  // L2 ones alone keep enough lines in flight; the L2 one brings the line
+  // close first, so the L1 one waits less. On Zen 5 the K pass of decode
+  // rows took 0.89-0.92x the time, and whole bf16 and fp16 calls 0.93-
+  // 0.96x, one and two threads (docs/attention.md, session 24). Never
+  // with kT1 (already into L2) or kNta, nor for fp32 (1.03-1.05x the
+  // time) or fp8 caches. It changes no result. false: for A/B runs.
+  bool prefetch_l2 = true;
 };
 
 // Whether this CPU runs `isa` (kBest and kPortable: always), its name, and

@@ -392,6 +392,7 @@ struct Case {
   bool amx = true;        // AttentionParams::amx
   bool nhd_rows = true;   // AttentionParams::nhd_rows
   bool vllm_rows = true;  // AttentionParams::vllm_rows
+  bool prefetch_l2 = true;  // AttentionParams::prefetch_l2
   double scale = 0;       // AttentionParams::scale (0: 1 / sqrt(head_size))
 };
 
@@ -499,6 +500,7 @@ void Check(const Case& k) {
   p.amx = k.amx;
   p.nhd_rows = k.nhd_rows;
   p.vllm_rows = k.vllm_rows;
+  p.prefetch_l2 = k.prefetch_l2;
   if (k.alibi) {
     for (int64_t h = 0; h < H; ++h)
       p.alibi_slopes.push_back(std::pow(2.0f, -(h + 1)));
@@ -641,7 +643,11 @@ TEST(PagedAttention, DtypesAndGqaRatios) {
 
 // Every prefetch hint (the AVX-512 build's 16-lane passes take it; the
 // other builds run the same cases) against the reference: a hint must
-// change timing only. And kAuto resolves to a hint, by this CPU's vendor.
+// change timing only. kT0 with and without the second prefetch into L2
+// (prefetch_l2, which the 16-bit passes add to kT0), through decode rows
+// and per-head items, whose prefetches two and three slices or sweeps
+// ahead must stay within each row's blocks. And kAuto resolves to a hint,
+// by this CPU's vendor.
 TEST(PagedAttention, EveryPrefetchHint) {
   for (const DType cache : {DType::kBFloat16, DType::kFloat16, DType::kFloat32,
                             DType::kFp8E4M3, DType::kFp8E5M2}) {
@@ -657,12 +663,23 @@ TEST(PagedAttention, EveryPrefetchHint) {
        {AttentionParams::Prefetch::kNta, AttentionParams::Prefetch::kT0,
         AttentionParams::Prefetch::kT1}) {
     for (const Dtypes& d : dtypes) {
-      Case k = Make(CacheLayout::kVllm, d.cache, d.act, 8, 2);
-      k.head_size = 128;
-      k.context = 100;  // several sweeps and prefetches ahead
-      k.prefetch = hint;
-      Check(k);
-      if (HasFatalFailure()) return;
+      for (const bool l2 : {true, false}) {
+        for (const bool rows : {true, false}) {
+          if (hint != AttentionParams::Prefetch::kT0 && !(l2 && rows)) {
+            continue;
+          }
+          Case k = Make(CacheLayout::kVllm, d.cache, d.act, 8, 2);
+          k.head_size = 128;
+          k.context = 100;  // several sweeps and prefetches ahead
+          k.prefetch = hint;
+          k.prefetch_l2 = l2;
+          k.vllm_rows = rows;
+          if (rows) k.prefill_tokens = 1;  // every row decodes: row items
+          SCOPED_TRACE(testing::Message() << "l2 " << l2 << " rows " << rows);
+          Check(k);
+          if (HasFatalFailure()) return;
+        }
+      }
     }
   }
 }
