@@ -185,10 +185,12 @@ struct AttentionParams {
   // core's few L1 miss slots until its line comes from memory) nor the
   // L2 ones alone keep enough lines in flight; the L2 one brings the line
   // close first, so the L1 one waits less. On Zen 5 the K pass of decode
-  // rows took 0.89-0.92x the time, and whole bf16 and fp16 calls 0.93-
-  // 0.96x, one and two threads (docs/attention.md, session 24). Never
-  // with kT1 (already into L2) or kNta, nor for fp32 (1.03-1.05x the
-  // time) or fp8 caches. It changes no result. false: for A/B runs.
+  // rows alone took 0.89-0.92x the time, and whole bf16 and fp16 calls
+  // 0.92-0.97x (1k-16k keys, batches 1-32, one and two threads, rows and
+  // per-head items; docs/attention.md, session 24). Never with kT1
+  // (already into L2) or kNta, nor for fp32 (1.03-1.05x the time) or fp8
+  // caches, nor the NHD layout (1.01-1.09x). It changes no result.
+  // false: for A/B runs.
   bool prefetch_l2 = true;
 };
 

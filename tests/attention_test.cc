@@ -389,11 +389,11 @@ struct Case {
   bool flagged = false;
   int64_t touch_min_bytes = AttentionParams().touch_min_bytes;
   int64_t touch_min_blocks = AttentionParams().touch_min_blocks;
-  bool amx = true;        // AttentionParams::amx
-  bool nhd_rows = true;   // AttentionParams::nhd_rows
-  bool vllm_rows = true;  // AttentionParams::vllm_rows
+  bool amx = true;          // AttentionParams::amx
+  bool nhd_rows = true;     // AttentionParams::nhd_rows
+  bool vllm_rows = true;    // AttentionParams::vllm_rows
   bool prefetch_l2 = true;  // AttentionParams::prefetch_l2
-  double scale = 0;       // AttentionParams::scale (0: 1 / sqrt(head_size))
+  double scale = 0;         // AttentionParams::scale (0: 1 / sqrt(head_size))
 };
 
 Case Make(CacheLayout layout, DType cache, DType act, int64_t heads,
