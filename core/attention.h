@@ -176,21 +176,22 @@ struct AttentionParams {
   // (docs/attention.md, session 23). Prefill rows, fp8 caches and 8-token
   // blocks: an item per (row, KV head). false: for A/B runs and tests.
   bool vllm_rows = true;
-  // Whether the AVX-512 passes over a 16-bit vLLM-layout cache (keys by
-  // 16-token tiles, values by pairs) prefetch each line twice where they
-  // prefetch with prefetcht0 (prefetch kAuto on AMD, or kT0): into L1
-  // about 8 KB ahead of their reads, as always, and into L2
-  // (prefetcht1) one key slice or one value sweep further. With random
-  // block tables neither the L1 prefetches alone (each holds one of the
-  // core's few L1 miss slots until its line comes from memory) nor the
-  // L2 ones alone keep enough lines in flight; the L2 one brings the line
-  // close first, so the L1 one waits less. On Zen 5 the K pass of decode
-  // rows alone took 0.89-0.92x the time, and whole bf16 and fp16 calls
-  // 0.92-0.97x (1k-16k keys, batches 1-32, one and two threads, rows and
-  // per-head items; docs/attention.md, session 24). Never with kT1
-  // (already into L2) or kNta, nor for fp32 (1.03-1.05x the time) or fp8
-  // caches, nor the NHD layout (1.01-1.09x). It changes no result.
-  // false: for A/B runs.
+  // Whether the AVX-512 passes over a vLLM-layout cache prefetch each
+  // line twice where they prefetch with prefetcht0 (prefetch kAuto on
+  // AMD, or kT0): into L1 about 8 KB ahead of their reads, as always, and
+  // into L2 (prefetcht1) a little further: 16-bit keys (16-token tiles)
+  // one slice further, 16-bit values (by pairs) one sweep of two blocks
+  // further, fp32 values 4 KB further. With random block tables neither
+  // the L1 prefetches alone (each holds one of the core's few L1 miss
+  // slots until its line comes from memory) nor the L2 ones alone keep
+  // enough lines in flight; the L2 one brings the line close first, so
+  // the L1 one waits less. On Zen 5, call by call: bf16 and fp16 calls
+  // took 0.92-0.97x the time (1k-16k keys, batches 1-32, one and two
+  // threads, row and per-head items; the K pass of decode rows alone
+  // 0.89-0.92x), fp32 calls 0.96-0.97x (docs/attention.md, session 24).
+  // Not with kT1 (already into L2) or kNta; not for fp32 keys (1.03-
+  // 1.05x the time), fp8 caches or the NHD layout (1.01-1.09x). It
+  // changes no result. false: for A/B runs.
   bool prefetch_l2 = true;
 };
 
