@@ -338,8 +338,6 @@ bool ParseParamFlag(const std::string& a, AttentionParams* p) {
     p->amx = a == "--amx=on";
   } else if (a == "--fp8_dot=on" || a == "--fp8_dot=off") {
     p->fp8_dot = a == "--fp8_dot=on";
-  } else if (a.rfind("--exp=", 0) == 0) {
-    p->exp = std::atoi(a.c_str() + 6);
   } else if (a == "--nhd_rows=on" || a == "--nhd_rows=off") {
     p->nhd_rows = a == "--nhd_rows=on";
   } else if (a == "--vllm_rows=on" || a == "--vllm_rows=off") {

@@ -193,7 +193,6 @@ struct AttentionParams {
   // 1.05x the time), fp8 caches or the NHD layout (1.01-1.09x). It
   // changes no result. false: for A/B runs.
   bool prefetch_l2 = true;
-  int exp = 0;
 };
 
 // Whether this CPU runs `isa` (kBest and kPortable: always), its name, and
