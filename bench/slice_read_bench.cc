@@ -4,6 +4,7 @@
 // 20) has the numbers this tool gave.
 //
 //   build/bench/slice_read_bench [--pool_mib=1024] [--passes=5]
+//       [--streams_only]
 //
 // Each line is the best of --passes cold passes over a pool from the CPU
 // device (pre-touched, huge pages), a 256 MiB read of another buffer
@@ -42,6 +43,14 @@
 //          register accumulators;
 //   dot    the VDPBF16PS K pass's: 4 VDPBF16PS into 8 accumulators (AVX512-
 //          BF16 CPUs only).
+//
+// Then the "streams" table (session 25): random 32 KB runs (the vLLM
+// layout's blocks over 8 KV heads, as the row K pass reads them) read one
+// at a time or two side by side, 256 bytes of each in turn, each stream
+// with its own prefetches (t0 and t1: prefetcht0 and prefetcht1 that many
+// KB ahead; st: the first 8 lines of each 4 KB page that far ahead, by
+// prefetcht1), with no work or the fma work per line. --streams_only
+// prints the seq line and this table alone.
 // Needs AVX-512F (the kernel's 16-lane passes do too).
 #include <algorithm>
 #include <chrono>
@@ -225,6 +234,67 @@ __attribute__((target("avx512f"))) float WorkPass(
          static_cast<float>(_mm512_reduce_add_epi64(sum));
 }
 
+// One pass over `runs` (32 KB each, in order), kS of them side by side:
+// with kS 2, runs 2i and 2i + 1 are read 256 bytes of one, then 256 of the
+// other. Each stream prefetches its own lines: prefetcht0 `t0` bytes and
+// prefetcht1 `t1` bytes ahead of its reads, running on into its next run,
+// and with `starts` > 0, at each 4 KB page, prefetcht1 of the first 8
+// lines `starts` bytes ahead. kW's work per line, as WorkPass (kWorkNone
+// or kWorkFma).
+template <int kW, int kS>
+__attribute__((target("avx512f"))) float RunsPass(
+    const std::vector<const char*>& runs, ptrdiff_t t0, ptrdiff_t t1,
+    ptrdiff_t starts) {
+  constexpr auto kRun = static_cast<ptrdiff_t>(kBlock);
+  __m512 acc[8];
+  for (__m512& a : acc) a = _mm512_setzero_ps();
+  __m512 w[4];
+  for (int i = 0; i < 4; ++i) w[i] = _mm512_set1_ps(0.25f * float(i + 1));
+  __m512i sum = _mm512_setzero_si512();
+  const size_t n = runs.size() / kS * kS;
+  // Stream k's byte `o` past the start of its run r (in its next run when
+  // o is past the end; its own run at the end of the list).
+  auto at = [&](size_t r, ptrdiff_t o) {
+    if (o >= kRun && r + kS < n) return runs[r + kS] + (o - kRun);
+    return runs[r] + std::min(o, kRun - 64);
+  };
+  for (size_t r = 0; r < n; r += kS) {
+    for (ptrdiff_t o = 0; o < kRun; o += 256) {
+      for (int k = 0; k < kS; ++k) {
+        const char* b = runs[r + k] + o;
+        if (starts > 0 && o % 4096 == 0) {
+          for (ptrdiff_t l = 0; l < 512; l += 64) {
+            _mm_prefetch(at(r + k, o + starts + l), _MM_HINT_T1);
+          }
+        }
+        for (ptrdiff_t l = 0; l < 256; l += 64) {
+          _mm_prefetch(at(r + k, o + t0 + l), _MM_HINT_T0);
+          _mm_prefetch(at(r + k, o + t1 + l), _MM_HINT_T1);
+        }
+#pragma GCC unroll 4
+        for (ptrdiff_t l = 0; l < 256; l += 64) {
+          const __m512i x = _mm512_load_si512(b + l);
+          if constexpr (kW == kWorkNone) {
+            sum = _mm512_add_epi64(sum, x);
+          } else {
+            const __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+            const __m512 od = _mm512_castsi512_ps(
+                _mm512_and_si512(x, _mm512_set1_epi32(int32_t{-65536})));
+            for (ptrdiff_t i = 0; i < 4; ++i) {
+              acc[2 * i] = _mm512_fmadd_ps(w[i], e, acc[2 * i]);
+              acc[2 * i + 1] = _mm512_fmadd_ps(w[i], od, acc[2 * i + 1]);
+            }
+          }
+        }
+      }
+    }
+  }
+  __m512 t = _mm512_setzero_ps();
+  for (const __m512& a : acc) t = _mm512_add_ps(t, a);
+  return _mm512_reduce_add_ps(t) +
+         static_cast<float>(_mm512_reduce_add_epi64(sum));
+}
+
 struct Pool {
   std::shared_ptr<Allocation> mem;
   char* base = nullptr;
@@ -325,12 +395,15 @@ class Runner {
 int Main(int argc, char** argv) {
   int64_t pool_mib = 1024;
   int passes = 5;
+  bool streams_only = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a.rfind("--pool_mib=", 0) == 0) {
       pool_mib = std::atoll(a.c_str() + 11);
     } else if (a.rfind("--passes=", 0) == 0) {
       passes = std::atoi(a.c_str() + 9);
+    } else if (a == "--streams_only") {
+      streams_only = true;
     } else {
       std::fprintf(stderr, "unknown flag %s (see the top of %s)\n", a.c_str(),
                    __FILE__);
@@ -359,44 +432,76 @@ int Main(int argc, char** argv) {
     std::fflush(stdout);
   };
   line("seq", base);
-  for (size_t kb : {4, 8, 16, 32}) {
-    const std::vector<const char*> pages = run.Slices(kb * 1024);
-    line("slices " + std::to_string(kb) + " KB",
-         run.Best([&] { return ReadPages(pages); }));
-  }
-  for (size_t w : {1, 2, 4, 16, 512}) {
-    const std::vector<const char*> pages = run.Windows(w);
-    line("windows " + std::to_string(w),
-         run.Best([&] { return ReadPages(pages); }));
-  }
-  const std::vector<size_t> blocks = run.Blocks();
-  const char* names[] = {"rows none", "rows one", "rows pairs"};
-  for (int arith = 0; arith < 3; ++arith) {
-    line(names[arith], run.Best([&] {
-      return ReadRows(run.pool().base, blocks, arith, run.lanes());
-    }));
+  const std::vector<const char*> random32 = run.Slices(kBlock);
+  if (!streams_only) {
+    for (size_t kb : {4, 8, 16, 32}) {
+      const std::vector<const char*> pages = run.Slices(kb * 1024);
+      line("slices " + std::to_string(kb) + " KB",
+           run.Best([&] { return ReadPages(pages); }));
+    }
+    for (size_t w : {1, 2, 4, 16, 512}) {
+      const std::vector<const char*> pages = run.Windows(w);
+      line("windows " + std::to_string(w),
+           run.Best([&] { return ReadPages(pages); }));
+    }
+    const std::vector<size_t> blocks = run.Blocks();
+    const char* names[] = {"rows none", "rows one", "rows pairs"};
+    for (int arith = 0; arith < 3; ++arith) {
+      line(names[arith], run.Best([&] {
+        return ReadRows(run.pool().base, blocks, arith, run.lanes());
+      }));
+    }
+
+    // The work table: GB/s of each order, "of seq" against the first line.
+    const std::vector<const char*> random = run.Slices(kPage);
+    std::vector<const char*> warm(seq.size());
+    for (size_t i = 0; i < warm.size(); ++i) warm[i] = random[i % 48];
+    std::printf("\n%-8s %8s %8s %8s %8s %8s %8s\n", "work", "random", "of seq",
+                "rand32", "of seq", "seq", "warm");
+    auto work = [&](const char* name, auto pass) {
+      const double r = run.Best([&] { return pass(random); });
+      const double r32 = run.Best([&] { return pass(random32); });
+      const double q = run.Best([&] { return pass(seq); });
+      const double h = run.Best([&] { return pass(warm); });
+      std::printf("%-8s %8.2f %7.0f%% %8.2f %7.0f%% %8.2f %8.2f\n", name, r,
+                  100 * r / base, r32, 100 * r32 / base, q, h);
+      std::fflush(stdout);
+    };
+    work("none", WorkPass<kWorkNone>);
+    work("nop", WorkPass<kWorkNop>);
+    work("fma", WorkPass<kWorkFma>);
+    if (__builtin_cpu_supports("avx512bf16")) work("dot", WorkPass<kWorkDot>);
   }
 
-  // The work table: GB/s of each order, "of seq" against the first line.
-  const std::vector<const char*> random = run.Slices(kPage);
-  std::vector<const char*> warm(seq.size());
-  for (size_t i = 0; i < warm.size(); ++i) warm[i] = random[i % 48];
-  const std::vector<const char*> random32 = run.Slices(32 * 1024);
-  std::printf("\n%-8s %8s %8s %8s %8s %8s %8s\n", "work", "random", "of seq",
-              "rand32", "of seq", "seq", "warm");
-  auto work = [&](const char* name, auto pass) {
-    const double r = run.Best([&] { return pass(random); });
-    const double r32 = run.Best([&] { return pass(random32); });
-    const double q = run.Best([&] { return pass(seq); });
-    const double h = run.Best([&] { return pass(warm); });
-    std::printf("%-8s %8.2f %7.0f%% %8.2f %7.0f%% %8.2f %8.2f\n", name, r,
-                100 * r / base, r32, 100 * r32 / base, q, h);
+  // The streams table (session 25): random 32 KB runs read one at a time
+  // or two side by side, each stream prefetching t0 and t1 bytes ahead.
+  std::vector<const char*> runs;
+  for (size_t i = 0; i < random32.size(); i += 8) runs.push_back(random32[i]);
+  std::printf("\n%-8s %-8s %6s %6s %6s %8s %8s\n", "work", "streams", "t0 KB",
+              "t1 KB", "st KB", "GB/s", "of seq");
+  auto streams = [&](const char* name, int s, ptrdiff_t t0, ptrdiff_t t1,
+                     ptrdiff_t st, auto pass) {
+    const double g = run.Best([&] { return pass(runs, t0, t1, st); });
+    std::printf("%-8s %-8d %6td %6td %6td %8.2f %7.0f%%\n", name, s, t0 / 1024,
+                t1 / 1024, st / 1024, g, 100 * g / base);
     std::fflush(stdout);
   };
-  work("none", WorkPass<kWorkNone>);
-  work("nop", WorkPass<kWorkNop>);
-  work("fma", WorkPass<kWorkFma>);
-  if (__builtin_cpu_supports("avx512bf16")) work("dot", WorkPass<kWorkDot>);
+  for (ptrdiff_t st : {0, 16384}) {
+    for (int w = 0; w < 2; ++w) {
+      if (st > 0 && w == 0) continue;
+      const char* name = w == 0 ? "none" : "fma";
+      for (const auto& [t0, t1] :
+           {std::pair<ptrdiff_t, ptrdiff_t>{4096, 8192}, {8192, 12288}}) {
+        streams(name, 1, t0, t1, st,
+                w == 0 ? RunsPass<kWorkNone, 1> : RunsPass<kWorkFma, 1>);
+      }
+      for (const auto& [t0, t1] :
+           {std::pair<ptrdiff_t, ptrdiff_t>{2048, 4096}, {4096, 8192}}) {
+        streams(name, 2, t0, t1, st,
+                w == 0 ? RunsPass<kWorkNone, 2> : RunsPass<kWorkFma, 2>);
+      }
+    }
+  }
   return 0;
 }
 
