@@ -16,6 +16,7 @@
 //       [--kernel=v1|v2] [--isa=avx512|avx2|portable] [--kv_heads=8]
 //       [--prefill=N] [--warm] [--vs=isa=avx2|kernel=v1|kernel=v2|...]
 //       [--pool_mib=N] [--tables=random|sorted|sequential|descending]
+//       [--max_gb=2]
 //       [--prefetch=auto|nta|t0|t1] [--flush_mib=N]
 //       [--bf16_keys=auto|dot|widen] [--amx=on|off] [--fp8_dot=on|off]
 //       [--nhd_rows=on|off] [--vllm_rows=on|off] [--prefetch_l2=on|off]
@@ -27,6 +28,9 @@
 // whose pool is far larger than one batch; by default the pool is the
 // batch's blocks, so small batches read from a small region. --query sets
 // the query's dtype (by default the cache's; bf16 for fp8 caches).
+// --max_gb caps the K/V bytes of a case (by default 2 GB, which keeps
+// the full grid's run short and its memory within a small machine's):
+// a case over it is not run, and a "#" line says so.
 // --tables=sorted sorts each row's random blocks by address; --tables=
 // sequential gives row r the pool's blocks r * w .. r * w + w - 1
 // (w blocks a row) in order, as a fresh pool would to one growing
@@ -700,6 +704,7 @@ int main(int argc, char** argv) {
   kvstep::Options o;
   std::string only_dtype, vs_flag;
   int64_t only_ctx = 0, only_batch = 0, only_threads = 0, flush_mib = 0;
+  double max_gb = 2;  // K/V bytes a case may take (the pool), in GB
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&](const char* flag) -> const char* {
@@ -726,6 +731,12 @@ int main(int argc, char** argv) {
       o.pool_mib = std::stoll(v);
       if (o.pool_mib < 0) {
         std::fprintf(stderr, "--pool_mib must be >= 0\n");
+        return 2;
+      }
+    } else if (const char* v = value("--max_gb=")) {
+      max_gb = std::stod(v);
+      if (!(max_gb > 0)) {
+        std::fprintf(stderr, "--max_gb must be > 0\n");
         return 2;
       }
     } else if (const char* v = value("--flush_mib=")) {
@@ -876,9 +887,19 @@ int main(int argc, char** argv) {
       if (only_ctx != 0) ctx = only_ctx;
       for (int64_t batch : batches) {
         if (only_batch != 0) batch = only_batch;
-        // Keep each pool under 2 GiB.
-        if (2.0 * batch * ctx * o.kv_heads * 128 * kvstep::DTypeSize(d) > 2e9)
+        // Keep each pool within --max_gb, and say which cases that skips.
+        const double kv_gb =
+            2.0 * batch * ctx * o.kv_heads * 128 * kvstep::DTypeSize(d) / 1e9;
+        if (kv_gb > max_gb) {
+          std::printf(
+              "# %s context %ld batch %ld not run: %.2f GB of K/V, "
+              "over --max_gb=%g\n",
+              std::string(kvstep::DTypeName(d)).c_str(), static_cast<long>(ctx),
+              static_cast<long>(batch), kv_gb, max_gb);
+          std::fflush(stdout);
+          if (only_batch != 0) break;
           continue;
+        }
         for (int threads : {1, 2}) {
           if (only_threads != 0 && threads != only_threads) continue;
           if (o.ab) {
