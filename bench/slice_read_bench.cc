@@ -178,19 +178,61 @@ __attribute__((target("avx512f"))) uint64_t ReadRows(
 // What WorkPass does per line (see the top of this file).
 enum Work { kWorkNone, kWorkNop, kWorkFma, kWorkDot };
 
+// kW's work on 64-byte lines, with the state a pass keeps from line to
+// line: 8 float accumulators, 4 weights and an integer sum. kWorkDot
+// issues VDPBF16PS by inline assembly, so that its callers need no
+// AVX512-BF16 target (theirs check the CPU), into the accumulators of
+// `slot` (0 or 1: two lines a step keep its 8 in registers).
+template <int kW>
+struct LineWork {
+  __m512 acc[8];
+  __m512 w[4];
+  __m512i sum;
+
+  __attribute__((target("avx512f"), always_inline)) LineWork() {
+    for (__m512& a : acc) a = _mm512_setzero_ps();
+    for (int i = 0; i < 4; ++i) w[i] = _mm512_set1_ps(0.25f * float(i + 1));
+    sum = _mm512_setzero_si512();
+  }
+
+  __attribute__((target("avx512f"), always_inline)) void Line(__m512i x,
+                                                              ptrdiff_t slot) {
+    if constexpr (kW == kWorkNone || kW == kWorkNop) {
+      sum = _mm512_add_epi64(sum, x);
+      if constexpr (kW == kWorkNop) asm volatile("nop");
+    } else if constexpr (kW == kWorkFma) {
+      const __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      const __m512 od = _mm512_castsi512_ps(
+          _mm512_and_si512(x, _mm512_set1_epi32(int32_t{-65536})));
+      for (ptrdiff_t i = 0; i < 4; ++i) {
+        acc[2 * i] = _mm512_fmadd_ps(w[i], e, acc[2 * i]);
+        acc[2 * i + 1] = _mm512_fmadd_ps(w[i], od, acc[2 * i + 1]);
+      }
+    } else {
+      for (ptrdiff_t i = 0; i < 4; ++i) {
+        asm("vdpbf16ps %2, %1, %0"
+            : "+v"(acc[4 * slot + i])
+            : "v"(x), "v"(w[i]));
+      }
+    }
+  }
+
+  // A sum of everything, which keeps the loads alive.
+  __attribute__((target("avx512f"), always_inline)) float Result() const {
+    __m512 t = _mm512_setzero_ps();
+    for (const __m512& a : acc) t = _mm512_add_ps(t, a);
+    return _mm512_reduce_add_ps(t) +
+           static_cast<float>(_mm512_reduce_add_epi64(sum));
+  }
+};
+
 // One pass over `pages` (4 KB each) with the K pass's prefetch on AMD and
-// kW's work per line; returns a sum that keeps the loads alive. kWorkDot
-// issues VDPBF16PS by inline assembly, so that the function needs no
-// AVX512-BF16 target (its caller checks the CPU).
+// kW's work per line (LineWork); returns a sum that keeps the loads alive.
 template <int kW>
 __attribute__((target("avx512f"))) float WorkPass(
     const std::vector<const char*>& pages) {
   constexpr ptrdiff_t kAheadPages = 2;  // 8 KB, line by line
-  __m512 acc[8];
-  for (__m512& a : acc) a = _mm512_setzero_ps();
-  __m512 w[4];
-  for (int i = 0; i < 4; ++i) w[i] = _mm512_set1_ps(0.25f * float(i + 1));
-  __m512i sum = _mm512_setzero_si512();
+  LineWork<kW> work;
   const size_t n = pages.size();
   for (size_t s = 0; s < n; ++s) {
     const char* b = pages[s];
@@ -206,32 +248,11 @@ __attribute__((target("avx512f"))) float WorkPass(
 #pragma GCC unroll 2
       for (ptrdiff_t k = 0; k < 2; ++k) {
         _mm_prefetch(ahead + o + 64 * k, _MM_HINT_NTA);
-        const __m512i x = _mm512_load_si512(b + o + 64 * k);
-        if constexpr (kW == kWorkNone || kW == kWorkNop) {
-          sum = _mm512_add_epi64(sum, x);
-          if constexpr (kW == kWorkNop) asm volatile("nop");
-        } else if constexpr (kW == kWorkFma) {
-          const __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-          const __m512 od = _mm512_castsi512_ps(
-              _mm512_and_si512(x, _mm512_set1_epi32(int32_t{-65536})));
-          for (ptrdiff_t i = 0; i < 4; ++i) {
-            acc[2 * i] = _mm512_fmadd_ps(w[i], e, acc[2 * i]);
-            acc[2 * i + 1] = _mm512_fmadd_ps(w[i], od, acc[2 * i + 1]);
-          }
-        } else {
-          for (ptrdiff_t i = 0; i < 4; ++i) {
-            asm("vdpbf16ps %2, %1, %0"
-                : "+v"(acc[4 * k + i])
-                : "v"(x), "v"(w[i]));
-          }
-        }
+        work.Line(_mm512_load_si512(b + o + 64 * k), k);
       }
     }
   }
-  __m512 t = _mm512_setzero_ps();
-  for (const __m512& a : acc) t = _mm512_add_ps(t, a);
-  return _mm512_reduce_add_ps(t) +
-         static_cast<float>(_mm512_reduce_add_epi64(sum));
+  return work.Result();
 }
 
 // One pass over `runs` (32 KB each, in order), kS of them side by side:
@@ -239,18 +260,14 @@ __attribute__((target("avx512f"))) float WorkPass(
 // other. Each stream prefetches its own lines: prefetcht0 `t0` bytes and
 // prefetcht1 `t1` bytes ahead of its reads, running on into its next run,
 // and with `starts` > 0, at each 4 KB page, prefetcht1 of the first 8
-// lines `starts` bytes ahead. kW's work per line, as WorkPass (kWorkNone
-// or kWorkFma).
+// lines `starts` bytes ahead. kW's work per line, as WorkPass's
+// (LineWork).
 template <int kW, int kS>
 __attribute__((target("avx512f"))) float RunsPass(
     const std::vector<const char*>& runs, ptrdiff_t t0, ptrdiff_t t1,
     ptrdiff_t starts) {
   constexpr auto kRun = static_cast<ptrdiff_t>(kBlock);
-  __m512 acc[8];
-  for (__m512& a : acc) a = _mm512_setzero_ps();
-  __m512 w[4];
-  for (int i = 0; i < 4; ++i) w[i] = _mm512_set1_ps(0.25f * float(i + 1));
-  __m512i sum = _mm512_setzero_si512();
+  LineWork<kW> work;
   const size_t n = runs.size() / kS * kS;
   // Stream k's byte `o` past the start of its run r (in its next run when
   // o is past the end; its own run at the end of the list).
@@ -273,26 +290,12 @@ __attribute__((target("avx512f"))) float RunsPass(
         }
 #pragma GCC unroll 4
         for (ptrdiff_t l = 0; l < 256; l += 64) {
-          const __m512i x = _mm512_load_si512(b + l);
-          if constexpr (kW == kWorkNone) {
-            sum = _mm512_add_epi64(sum, x);
-          } else {
-            const __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-            const __m512 od = _mm512_castsi512_ps(
-                _mm512_and_si512(x, _mm512_set1_epi32(int32_t{-65536})));
-            for (ptrdiff_t i = 0; i < 4; ++i) {
-              acc[2 * i] = _mm512_fmadd_ps(w[i], e, acc[2 * i]);
-              acc[2 * i + 1] = _mm512_fmadd_ps(w[i], od, acc[2 * i + 1]);
-            }
-          }
+          work.Line(_mm512_load_si512(b + l), l / 64 % 2);
         }
       }
     }
   }
-  __m512 t = _mm512_setzero_ps();
-  for (const __m512& a : acc) t = _mm512_add_ps(t, a);
-  return _mm512_reduce_add_ps(t) +
-         static_cast<float>(_mm512_reduce_add_epi64(sum));
+  return work.Result();
 }
 
 struct Pool {
