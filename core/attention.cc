@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <new>
 #include <string>
 #include <type_traits>
@@ -1118,11 +1119,54 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
     return;
   }
   // Partitioned: item (row, heads, partition) computes partial results
-  // for every query token of the row; a second pass reduces them.
+  // for every query token of the row, which are then reduced: for decode
+  // rows by whichever thread finishes a row's last partition, at once; for
+  // rows with more query tokens by a second pass over (token, KV head),
+  // which spreads their larger reduction over the threads. That pass, a
+  // second fork and join, took decode calls of 4 MiB on two threads
+  // 1.011-1.024x the time (context 1024, batch 1; bf16, fp16, fp32), 1.007x
+  // at 8 MiB (docs/attention.md, session 26).
   const int64_t T = rows.query_start[rows.num_real];
   const int64_t stride = G * (D + 2);  // m, s, acc per query head
-  std::vector<float> partial(static_cast<size_t>(T * kvh * max_parts * stride));
+  // Read only where `used` says a partition wrote it: not zeroed.
+  const std::unique_ptr<float[]> partial(
+      new float[static_cast<size_t>(T * kvh * max_parts * stride)]);
   std::vector<uint8_t> used(static_cast<size_t>(T * kvh * max_parts), 0);
+  // Token qi's results for KV head h from its partitions; acc [G * D],
+  // denom and M [G] are the caller's scratch.
+  auto reduce = [&](int64_t qi, int64_t h, float* acc, float* denom, float* M) {
+    std::fill(acc, acc + G * D, 0.0f);
+    std::fill(denom, denom + G, 0.0f);
+    std::fill(M, M + G, -std::numeric_limits<float>::infinity());
+    for (int64_t part = 0; part < max_parts; ++part) {
+      const int64_t slot = (qi * kvh + h) * max_parts + part;
+      if (!used[slot]) continue;
+      for (int64_t g = 0; g < G; ++g)
+        M[g] = std::max(M[g], partial[slot * stride + g]);
+    }
+    for (int64_t part = 0; part < max_parts; ++part) {
+      const int64_t slot = (qi * kvh + h) * max_parts + part;
+      if (!used[slot]) continue;
+      const float* buf = &partial[slot * stride];
+      for (int64_t g = 0; g < G; ++g) {
+        const float w = std::exp(buf[g] - M[g]);
+        denom[g] += buf[G + g] * w;
+        Axpy(&acc[g * D], w, &buf[2 * G + g * D], D);
+      }
+    }
+    a.Store(qi, h, acc, denom);
+  };
+  const bool fold = max_tokens == 1;
+  // fold: partitions of item i not yet finished. Its last one reduces the
+  // item's results; acq_rel orders the other partitions' writes of
+  // `partial` and `used` before that thread's reads.
+  std::unique_ptr<std::atomic<int64_t>[]> left;
+  if (fold) {
+    left.reset(new std::atomic<int64_t>[static_cast<size_t>(items)]);
+    for (int64_t i = 0; i < items; ++i) {
+      left[i].store(max_parts, std::memory_order_relaxed);
+    }
+  }
   run_items(
       [&](Scratch& scratch, int64_t item) {
         const int64_t part = item % max_parts;
@@ -1155,30 +1199,23 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
             }
           }
         }
-      },
-      items * max_parts, 1);
-  run(
-      [&](int64_t item) {  // item = (token, kv head)
-        const int64_t qi = item / kvh, h = item % kvh;
-        std::vector<float> acc(G * D, 0.0f), denom(G, 0.0f);
-        std::vector<float> M(G, -std::numeric_limits<float>::infinity());
-        for (int64_t part = 0; part < max_parts; ++part) {
-          const int64_t slot = (qi * kvh + h) * max_parts + part;
-          if (!used[slot]) continue;
-          for (int64_t g = 0; g < G; ++g)
-            M[g] = std::max(M[g], partial[slot * stride + g]);
-        }
-        for (int64_t part = 0; part < max_parts; ++part) {
-          const int64_t slot = (qi * kvh + h) * max_parts + part;
-          if (!used[slot]) continue;
-          const float* buf = &partial[slot * stride];
-          for (int64_t g = 0; g < G; ++g) {
-            const float w = std::exp(buf[g] - M[g]);
-            denom[g] += buf[G + g] * w;
-            Axpy(&acc[g * D], w, &buf[2 * G + g * D], D);
+        if (fold && left[item / max_parts].fetch_sub(
+                        1, std::memory_order_acq_rel) == 1) {
+          // scratch.acc holds item_heads_max * D >= G * D floats, and m, s
+          // G each; this item's partials are already copied out of them.
+          for (int64_t qi = qs; qi < qe; ++qi) {
+            for (int64_t h = h0; h < h0 + heads_per_item; ++h) {
+              reduce(qi, h, acc, s, m);
+            }
           }
         }
-        a.Store(qi, h, acc.data(), denom.data());
+      },
+      items * max_parts, 1);
+  if (fold) return;
+  run(
+      [&](int64_t item) {  // item = (token, kv head)
+        std::vector<float> acc(G * D), denom(G), M(G);
+        reduce(item / kvh, item % kvh, acc.data(), denom.data(), M.data());
       },
       T * kvh);
 }
