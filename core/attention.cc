@@ -1123,9 +1123,9 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   // rows by whichever thread finishes a row's last partition, at once; for
   // rows with more query tokens by a second pass over (token, KV head),
   // which spreads their larger reduction over the threads. That pass, a
-  // second fork and join, took decode calls of 4 MiB on two threads
-  // 1.011-1.024x the time (context 1024, batch 1; bf16, fp16, fp32), 1.007x
-  // at 8 MiB (docs/attention.md, session 26).
+  // second fork and join, took one-row decode calls on two threads
+  // 1.011-1.024x the time at 1024 keys (bf16, fp16, fp32: 4-8 MiB), 1.007x
+  // at 2048 (bf16) and 1.000x at 4096 (docs/attention.md, session 26).
   const int64_t T = rows.query_start[rows.num_real];
   const int64_t stride = G * (D + 2);  // m, s, acc per query head
   // Read only where `used` says a partition wrote it: not zeroed.
