@@ -475,6 +475,7 @@ int Main(int argc, char** argv) {
         v.begin() + static_cast<ptrdiff_t>(per * (k + 1)));
   };
   std::vector<std::vector<const char*>> seq_parts;
+  seq_parts.reserve(static_cast<size_t>(threads));
   for (int k = 0; k < threads; ++k) seq_parts.push_back(share(seq, k, 1));
   const double base = run.BestOn(threads, [&](int k) {
     return ReadPages(seq_parts[static_cast<size_t>(k)]);
@@ -530,6 +531,7 @@ int Main(int argc, char** argv) {
   std::vector<const char*> runs;
   for (size_t i = 0; i < random32.size(); i += 8) runs.push_back(random32[i]);
   std::vector<std::vector<const char*>> run_parts;
+  run_parts.reserve(static_cast<size_t>(threads));
   for (int k = 0; k < threads; ++k) run_parts.push_back(share(runs, k, 2));
   std::printf("\n%-8s %-8s %6s %6s %6s %8s %8s %8s\n", "work", "streams",
               "t0 KB", "t1 KB", "st KB", "GB/s", "seq", "of seq");
