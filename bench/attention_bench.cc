@@ -14,7 +14,8 @@
 //       [--dtype=bfloat16|float16|float32|fp8_e4m3|fp8_e5m2]
 //       [--context=N] [--batch=N] [--threads=N]
 //       [--kernel=v1|v2] [--isa=avx512|avx2|portable] [--kv_heads=8]
-//       [--prefill=N] [--warm] [--vs=isa=avx2|kernel=v1|kernel=v2|...]
+//       [--prefill=N] [--warm] [--cold=layers|flush]
+//       [--vs=isa=avx2|kernel=v1|kernel=v2|...]
 //       [--pool_mib=N] [--tables=random|sorted|sequential|descending]
 //       [--max_gb=2]
 //       [--prefetch=auto|nta|t0|t1] [--flush_mib=N]
@@ -46,10 +47,18 @@
 // worker to finish before it sleeps (ThreadPool::set_finish_poll; by
 // default kDefaultFinishPoll, 0 sleeps at once), --pool_idle_poll_us how
 // long the worker polls for the next call (set_idle_poll; by default
-// kDefaultIdlePoll). Between two cold calls the caller flushes the case's
-// K/V and reads 32 MiB (0.5-1 ms at 4 MiB of K/V, longer for bigger
-// calls), which an idle poll shorter than that does not bridge; each
-// round's read pass (about 8 ms) is never bridged.
+// kDefaultIdlePoll). Between two cold calls the caller flushes the last
+// call's K/V lines (about 0.3 ms at 4 MiB of K/V, longer for bigger calls;
+// with --cold=flush it also reads 32 MiB, 0.5-1 ms more), which an idle
+// poll shorter than that does not bridge; each round's read pass (about 8
+// ms) is never bridged.
+//
+// --cold= says how a cold call's K/V leaves the caches (Options::ColdMode):
+// by default (layers) as in a decode step, the calls cycling over as many
+// layers as make 96 MiB of K/V, each layer's lines flushed after its call;
+// --cold=flush as sessions 8-27 measured, the lines flushed and 32 MiB
+// read before each call, which also leaves the kernel's code and scratch
+// and the pool's page-table entries cold (docs/attention.md, session 28).
 //
 // --vs=FLAG (any of --isa=, --kernel=, --prefetch=, --bf16_keys=, --amx=,
 // --fp8_dot=, --nhd_rows=, --vllm_rows=, --prefetch_l2=, --touch_min_mib=,
@@ -395,6 +404,21 @@ struct Options {
   // calls for one layer (CacheFlusher). Warm (--warm): back-to-back calls,
   // so that working sets up to a few times the L3 partly hit it.
   bool cold = true;
+  // How a cold call's K/V leaves the caches (--cold=):
+  //   kLayers: as in a decode step. The cache has as many layers as make
+  //     kStepBytes of K/V (at least one) and calls cycle over them; after
+  //     each call its layer's lines are flushed (untimed, CLFLUSHOPT), so
+  //     that a call finds its K/V in no cache, and its pages' TLB entries
+  //     and page-table lines gone with the other layers' K/V that passed
+  //     through, while the kernel's code and scratch and the thread pool
+  //     stay where the previous layer's call left them.
+  //   kFlush: before each call its K/V lines are flushed, then 32 MiB read
+  //     on 4 KB pages (sessions 8-27): every cache level and the TLB then
+  //     hold that read, the code and scratch included, which a server's
+  //     calls do not do (session 28: 1-3% of a small one-thread call's
+  //     time, 5-12% of a two-thread batch-1 call's).
+  enum class ColdMode { kLayers, kFlush };
+  ColdMode cold_mode = ColdMode::kLayers;
   bool ab = false;  // --vs: time `vs` against `params` call by call
   AttentionParams vs;
   // The pool's polls (ThreadPool::set_finish_poll, set_idle_poll), for
@@ -418,11 +442,18 @@ struct Options {
 // 20 ms at this machine's single-thread bandwidth.
 constexpr size_t kReadBytes = size_t{256} << 20;
 
+// K/V bytes of the layers a cold case's calls cycle over (kLayers): three
+// times this Zen 5's 32 MiB L3, so that a layer's lines are long gone from
+// every cache, and its pages from the TLB, when its turn comes again.
+constexpr int64_t kStepBytes = int64_t{96} << 20;
+
 // One case's cache (filled with small finite values), rows and query, and
 // the work of one call: K+V bytes (decode), or FLOPs (prefill: each of the
 // row's query tokens at position p multiplies p + 1 keys and values).
 struct Setup {
   std::unique_ptr<KvCache> cache;
+  int64_t layers = 1;      // the cache's: calls cycle over them (kLayers)
+  int64_t next_layer = 0;  // the next call's
   AttentionRows rows;
   AttentionRows vs_rows;  // --vs only: rows with B's tables (same cache)
   Tensor q;
@@ -441,9 +472,10 @@ bool HasClflushopt() {
 }
 #endif
 
-// Sends a case's K/V out of the caches before a call. By default every
-// line of its blocks, with CLFLUSHOPT, out of every level (64 MiB in about
-// 2 ms on an Intel Xeon with AMX), then a read of 32 MiB on 4 KB pages,
+// Sends a case's K/V out of the caches. By default every line of its
+// blocks, with CLFLUSHOPT, out of every level (64 MiB in about 2 ms on an
+// Intel Xeon with AMX); with --cold=flush, before a call, then a read of
+// 32 MiB on 4 KB pages,
 // which empties L1 and L2 and, at 4x the pages its STLB holds, the TLB:
 // what stays warm is what a server's calls for other layers keep warm too
 // (the page-table lines of a pool they walk, the thread pool). With
@@ -465,11 +497,14 @@ class CacheFlusher {
   bool lines() const { return lines_; }
   size_t read_mib() const { return a_.size() >> 17; }
 
-  void Flush(const KvCache& cache, const AttentionRows& rows) {
+  // Flushes layer `layer`'s lines of the rows' blocks, then (`read`) reads
+  // read_mib().
+  void Flush(const KvCache& cache, const AttentionRows& rows, int64_t layer = 0,
+             bool read = true) {
 #if defined(__x86_64__)
     if (lines_) {
       const int64_t n = cache.config().num_blocks;
-      for (const Tensor* t : {&cache.key(0), &cache.value(0)}) {
+      for (const Tensor* t : {&cache.key(layer), &cache.value(layer)}) {
         const size_t block = t->nbytes() / static_cast<size_t>(n);
         const char* base = static_cast<const char*>(t->raw_data());
         for (int64_t b : rows.block_tables) {
@@ -479,6 +514,7 @@ class CacheFlusher {
       _mm_sfence();
     }
 #endif
+    if (!read) return;
     uint64_t s = 0;
     for (size_t i = 0; i < a_.size(); i += 8) s += a_[i];  // a line each
     sink_ += s;
@@ -495,18 +531,25 @@ Setup MakeSetup(DType dtype, int64_t ctx, int64_t batch, const Options& o) {
   c.block_size = 16;
   c.num_kv_heads = o.kv_heads;
   c.head_size = 128;
-  c.num_layers = 1;
   c.dtype = dtype;
   c.layout = o.layout;
   const int64_t per_row = (ctx + 15) / 16;
   const int64_t block_bytes =
       2 * c.block_size * c.num_kv_heads * c.head_size * DTypeSize(dtype);
   c.num_blocks = std::max(per_row * batch, (o.pool_mib << 20) / block_bytes);
+  const int64_t layer_bytes = c.num_blocks * block_bytes;
+  c.num_layers =
+      o.cold && o.cold_mode == Options::ColdMode::kLayers
+          ? std::max<int64_t>(1, (kStepBytes + layer_bytes - 1) / layer_bytes)
+          : 1;
   Setup st;
+  st.layers = c.num_layers;
   st.cache = *KvCache::Create(c, CpuDevice());
   KvCache& cache = *st.cache;
-  std::memset(cache.key(0).raw_data(), 0x11, cache.key(0).nbytes());
-  std::memset(cache.value(0).raw_data(), 0x11, cache.value(0).nbytes());
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    std::memset(cache.key(l).raw_data(), 0x11, cache.key(l).nbytes());
+    std::memset(cache.value(l).raw_data(), 0x11, cache.value(l).nbytes());
+  }
   AttentionRows& rows = st.rows;
   rows.width = per_row;
   rows.num_real = batch;
@@ -553,19 +596,37 @@ Setup MakeSetup(DType dtype, int64_t ctx, int64_t batch, const Options& o) {
   return st;
 }
 
+// Times one call of p on rows, cold (o.cold) as o.cold_mode says: kFlush
+// flushes before the call, kLayers calls the next layer and flushes its
+// lines after the call (both untimed).
+double TimedCall(Setup* st, const Options& o, CacheFlusher* flusher,
+                 const AttentionRows& rows, const AttentionParams& p,
+                 ThreadPool* pool, Tensor* out) {
+  const bool layers = o.cold && o.cold_mode == Options::ColdMode::kLayers;
+  const int64_t layer = layers ? st->next_layer : 0;
+  if (o.cold && !layers) flusher->Flush(*st->cache, rows);
+  const double t = Now();
+  (void)PagedAttention(*st->cache, layer, st->q, rows, p, pool, out);
+  const double dt = Now() - t;
+  if (layers) {
+    flusher->Flush(*st->cache, rows, layer, /*read=*/false);
+    st->next_layer = (layer + 1) % st->layers;
+  }
+  return dt;
+}
+
 Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
                const Options& o, Bandwidth* bw, CacheFlusher* flusher) {
   const double seconds = o.seconds;
   Setup st = MakeSetup(dtype, ctx, batch, o);
-  const KvCache* cache = st.cache.get();
   const AttentionRows& rows = st.rows;
-  const Tensor& q = st.q;
   const double work = st.work;
   ThreadPool pool(threads);
   o.polls.Apply(&pool);
   const AttentionParams& p = o.params;
   Tensor out;
-  MustRun(PagedAttention(*cache, 0, q, rows, p, &pool, &out));  // warm
+  MustRun(PagedAttention(*st.cache, 0, st.q, rows, p, &pool, &out));
+  if (o.cold) flusher->Flush(*st.cache, rows, 0, /*read=*/false);
   // Rounds of one read pass (at the same thread count) and then kernel
   // calls for about as long, so that the two see the same moments of this
   // shared VM: a neighbour moves both by 25% or more within seconds.
@@ -583,10 +644,7 @@ Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
     }
     const double round_start = Now();
     do {
-      if (o.cold) flusher->Flush(*cache, rows);
-      const double t = Now();
-      (void)PagedAttention(*cache, 0, q, rows, p, &pool, &out);
-      const double dt = Now() - t;
+      const double dt = TimedCall(&st, o, flusher, rows, p, &pool, &out);
       best = std::min(best, dt);
       kernel_s += dt;
       ++iters;
@@ -655,7 +713,7 @@ struct AbResult {
 };
 
 // Alternates calls with o.params (A) and o.vs (B) on one cache and query,
-// each after its own flush (unless --warm), for about o.seconds.
+// each cold as o.cold_mode says (unless --warm), for about o.seconds.
 AbResult MeasureAb(DType dtype, int64_t ctx, int64_t batch, int threads,
                    const Options& o, CacheFlusher* flusher) {
   Setup st = MakeSetup(dtype, ctx, batch, o);
@@ -663,6 +721,10 @@ AbResult MeasureAb(DType dtype, int64_t ctx, int64_t batch, int threads,
   Tensor out;
   MustRun(PagedAttention(*st.cache, 0, st.q, st.rows, o.params, &pool, &out));
   MustRun(PagedAttention(*st.cache, 0, st.q, st.vs_rows, o.vs, &pool, &out));
+  if (o.cold) {
+    flusher->Flush(*st.cache, st.rows, 0, /*read=*/false);
+    flusher->Flush(*st.cache, st.vs_rows, 0, /*read=*/false);
+  }
   // Each call's polls are set before its flush, and an empty job follows,
   // so that the worker ends a job under them: its idle poll decides whether
   // it is still polling or asleep when the call starts, as if the calls
@@ -671,10 +733,7 @@ AbResult MeasureAb(DType dtype, int64_t ctx, int64_t batch, int threads,
                   const AttentionRows& rows) {
     polls.Apply(&pool);
     pool.ParallelFor(pool.num_threads(), [](int64_t) {});
-    if (o.cold) flusher->Flush(*st.cache, rows);
-    const double t = Now();
-    (void)PagedAttention(*st.cache, 0, st.q, rows, p, &pool, &out);
-    return Now() - t;
+    return TimedCall(&st, o, flusher, rows, p, &pool, &out);
   };
   std::vector<double> ratios;
   double best_a = 1e30, best_b = 1e30;
@@ -715,6 +774,9 @@ int main(int argc, char** argv) {
       full = true;
     } else if (a == "--warm") {
       o.cold = false;
+    } else if (a == "--cold=layers" || a == "--cold=flush") {
+      o.cold_mode = a == "--cold=layers" ? kvstep::Options::ColdMode::kLayers
+                                         : kvstep::Options::ColdMode::kFlush;
     } else if (a == "--no_baseline") {
       baseline = false;
     } else if (kvstep::ParseParamFlag(a, &o.params) ||
@@ -820,6 +882,9 @@ int main(int argc, char** argv) {
   }
   kvstep::Bandwidth bw(baseline ? size_t{1} << 30 : 64 << 20);
   kvstep::CacheFlusher flusher(static_cast<size_t>(flush_mib));
+  // Cycling over layers needs the line flush (CLFLUSHOPT, and no
+  // --flush_mib).
+  if (!flusher.lines()) o.cold_mode = kvstep::Options::ColdMode::kFlush;
   if (baseline) {
     const double read1 = bw.Read(1, size_t{1} << 30, 5);
     const double read2 = bw.Read(2, size_t{1} << 30, 5);
@@ -836,7 +901,13 @@ int main(int argc, char** argv) {
       o.layout == kvstep::CacheLayout::kVllm ? "vllm" : "nhd",
       kvstep::Describe(o.params).c_str(), o.polls.Describe().c_str(),
       static_cast<long>(o.kv_heads), kvstep::TablesName(o.tables));
-  if (o.cold && flusher.lines()) {
+  if (o.cold && o.cold_mode == kvstep::Options::ColdMode::kLayers) {
+    std::printf(
+        "cold caches as in a decode step (the case's K/V in as many layers as "
+        "make %ld MiB, calls cycling over them, each layer's K/V lines "
+        "flushed after its call, untimed)\n",
+        static_cast<long>(kvstep::kStepBytes >> 20));
+  } else if (o.cold && flusher.lines()) {
     std::printf(
         "cold caches (before each call, untimed: the case's K/V lines "
         "flushed, then %ld MiB read)\n",
