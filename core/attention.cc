@@ -240,7 +240,75 @@ struct Scratch {
   // KV head h's, after the logits of heads 0 .. h - 1); 0 otherwise.
   int64_t logits_off = 0;
   std::vector<amx::Tile16> tiles;  // a prefill chunk's, for AMX
+
+  // Every vector empty (capacity kept), as a new Scratch: the kernel's
+  // resizes then zero-fill them as they would a fresh one's.
+  void Clear() {
+    for (LineVector<float>* v :
+         {&q, &q2, &logits, &lanes, &weights, &m, &s, &acc, &part}) {
+      v->clear();
+    }
+    qb.clear();
+    tiles.clear();
+    logits_off = 0;
+  }
+  size_t CapacityBytes() const {
+    size_t n = qb.capacity() * sizeof(uint16_t) +
+               tiles.capacity() * sizeof(amx::Tile16);
+    for (const LineVector<float>* v :
+         {&q, &q2, &logits, &lanes, &weights, &m, &s, &acc, &part}) {
+      n += v->capacity() * sizeof(float);
+    }
+    return n;
+  }
 };
+
+// A thread's Scratch for one call's items: the thread's own, kept from
+// call to call, emptied first (so the call sees what a new Scratch would
+// give it). A scratch allocated and freed by every call (hundreds of KB
+// for long rows) left it to the allocator whether the memory went back to
+// the kernel at each free: in one measured state glibc shrank its heap
+// after every call (brk), which flushed the TLB and refaulted the pages
+// (bf16 decode, 1024 keys, batch 1: 1.2x the time on this Zen 5 VM, whose
+// host maps memory in 4 KB pages, so that the call walked its K/V pages
+// again; docs/attention.md, session 28). A thread keeps at most
+// kKeepBytes between calls: decode's scratch is smaller (a vLLM row's
+// logits are at most 256 KB, a per-head item's 512 KB at 32k keys), and a
+// server may call from many threads; a bigger one (a long prefill chunk's)
+// is freed after its call, whose length makes the malloc negligible. A
+// nested lease on the same thread (not expected) gets a scratch of its
+// own.
+class ScratchLease {
+ public:
+  static constexpr size_t kKeepBytes = size_t{2} << 20;
+
+  ScratchLease() {
+    if (!busy_) {
+      busy_ = true;
+      owned_ = true;
+      scratch_ = &kept_;
+      scratch_->Clear();
+    }
+  }
+  ~ScratchLease() {
+    if (!owned_) return;
+    if (kept_.CapacityBytes() > kKeepBytes) kept_ = Scratch();
+    busy_ = false;
+  }
+  ScratchLease(const ScratchLease&) = delete;
+  ScratchLease& operator=(const ScratchLease&) = delete;
+
+  Scratch& get() { return *scratch_; }
+
+ private:
+  static thread_local Scratch kept_;
+  static thread_local bool busy_;
+  Scratch own_;
+  Scratch* scratch_ = &own_;
+  bool owned_ = false;
+};
+thread_local Scratch ScratchLease::kept_;
+thread_local bool ScratchLease::busy_ = false;
 
 // Passes over fp16 or fp8 keys or values that met an Inf or NaN (or a
 // query too large for their scaling) and were redone by conversion
@@ -1078,14 +1146,16 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
       (by_rows ? max_tokens : kChunk) * G * heads_per_item;
   // Items with a scratch per participating thread, reused across its items
   // (a fresh one per item cost a malloc and a memset of tens of KB each)
-  // and freed when the call returns. Items are claimed from a counter, g
-  // consecutive ones at a time, so uneven ones still balance.
+  // and kept by the thread for its next call (ScratchLease). Items are
+  // claimed from a counter, g consecutive ones at a time, so uneven ones
+  // still balance.
   auto run_items = [&](const std::function<void(Scratch&, int64_t)>& fn,
                        int64_t n, int64_t g) {
     std::atomic<int64_t> next{0};
     run(
         [&](int64_t) {
-          Scratch scratch;
+          ScratchLease lease;
+          Scratch& scratch = lease.get();
           scratch.m.resize(item_heads_max);
           scratch.s.resize(item_heads_max);
           scratch.acc.resize(item_heads_max * D);

@@ -12,6 +12,7 @@
 #include <memory>
 #include <numeric>
 #include <random>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -1578,6 +1579,89 @@ TEST(PagedAttention, ClaimSizeKeepsHeadsTogetherAndThreadsEven) {
             << n << " items, " << threads << " threads, claims of " << g;
       }
     }
+  }
+}
+
+// Each thread keeps its kernel scratch from call to call (ScratchLease):
+// a call's output must not depend on what the thread ran before. A decode
+// call (bf16, vLLM rows) is run on a thread's fresh scratch, then after a
+// prefill chunk of another geometry (fp32, 3 query heads over 1, head 80,
+// a longer context: bigger logits, other query layouts) on the same
+// threads, bit for bit, on one thread and on two.
+TEST(PagedAttention, KeptScratchLeavesNoTraceInTheNextCall) {
+  std::mt19937_64 rng(5);
+  std::uniform_real_distribution<float> uni(-1, 1);
+  auto fill = [&](KvCache& cache) {
+    for (const Tensor* t : {&cache.key(0), &cache.value(0)}) {
+      void* raw = t->raw_data();
+      if (t->dtype() == DType::kFloat32) {
+        for (size_t i = 0; i < t->nbytes() / 4; ++i) {
+          static_cast<float*>(raw)[i] = uni(rng);
+        }
+      } else {
+        for (size_t i = 0; i < t->nbytes() / 2; ++i) {
+          static_cast<uint16_t*>(raw)[i] = FloatToBF16(uni(rng));
+        }
+      }
+    }
+  };
+  auto random_tensor = [&](DType d, Shape shape) {
+    int64_t n = 1;
+    for (int64_t x : shape) n *= x;
+    std::vector<float> v(static_cast<size_t>(n));
+    for (float& x : v) x = uni(rng);
+    return Activations(d, std::move(shape), v);
+  };
+  // A: one decode row of 1100 keys, 8 query heads over 2, head 128.
+  auto cache_a = SmallCache(DType::kBFloat16, 80, 16, 2, 128);
+  fill(*cache_a);
+  std::vector<int64_t> table_a(70);
+  std::iota(table_a.begin(), table_a.end(), 5);
+  std::shuffle(table_a.begin(), table_a.end(), rng);
+  const AttentionRows rows_a = OneDecodeRow(1100, table_a);
+  const Tensor q_a = random_tensor(DType::kBFloat16, {1, 8, 128});
+  // B: a prefill chunk of 40 query tokens ending at 3000 keys.
+  auto cache_b = SmallCache(DType::kFloat32, 200, 16, 1, 80);
+  fill(*cache_b);
+  AttentionRows rows_b;
+  rows_b.num_real = 1;
+  rows_b.width = 188;
+  rows_b.query_start = {0, 40};
+  rows_b.seq_lens = {3000};
+  rows_b.block_tables.resize(188);
+  std::iota(rows_b.block_tables.begin(), rows_b.block_tables.end(), 10);
+  std::shuffle(rows_b.block_tables.begin(), rows_b.block_tables.end(), rng);
+  const Tensor q_b = random_tensor(DType::kFloat32, {40, 3, 80});
+
+  AttentionParams p;
+  auto bits = [](const Tensor& t) {
+    const auto* b = static_cast<const uint8_t*>(t.raw_data());
+    return std::vector<uint8_t>(b, b + t.nbytes());
+  };
+  auto run = [&](const KvCache& cache, const Tensor& q,
+                 const AttentionRows& rows, ThreadPool* pool) {
+    Tensor out;
+    const absl::Status s = PagedAttention(cache, 0, q, rows, p, pool, &out);
+    EXPECT_TRUE(s.ok()) << s;
+    return bits(out);
+  };
+  for (int threads : {1, 2}) {
+    SCOPED_TRACE(::testing::Message() << threads << " threads");
+    // Fresh threads, hence fresh scratch, for the first of each call.
+    std::vector<uint8_t> a_fresh, b_fresh;
+    std::thread([&] {
+      ThreadPool pool(threads);
+      a_fresh = run(*cache_a, q_a, rows_a, &pool);
+    }).join();
+    std::thread([&] {
+      ThreadPool pool(threads);
+      b_fresh = run(*cache_b, q_b, rows_b, &pool);
+    }).join();
+    ThreadPool pool(threads);
+    EXPECT_EQ(run(*cache_a, q_a, rows_a, &pool), a_fresh);
+    EXPECT_EQ(run(*cache_b, q_b, rows_b, &pool), b_fresh);
+    EXPECT_EQ(run(*cache_a, q_a, rows_a, &pool), a_fresh);
+    EXPECT_EQ(run(*cache_b, q_b, rows_b, &pool), b_fresh);
   }
 }
 
