@@ -474,11 +474,10 @@ bool HasClflushopt() {
 
 // Sends a case's K/V out of the caches. By default every line of its
 // blocks, with CLFLUSHOPT, out of every level (64 MiB in about 2 ms on an
-// Intel Xeon with AMX); with --cold=flush, before a call, then a read of
-// 32 MiB on 4 KB pages,
-// which empties L1 and L2 and, at 4x the pages its STLB holds, the TLB:
-// what stays warm is what a server's calls for other layers keep warm too
-// (the page-table lines of a pool they walk, the thread pool). With
+// Intel Xeon with AMX). With --cold=flush (sessions 8-27), before a call,
+// then a read of 32 MiB on 4 KB pages, which empties L1, L2, the TLB and
+// on this Zen 5 the L3 too: the kernel's code and scratch go with them,
+// which a server's calls for other layers do not do (session 28). With
 // read_mib > 0 (--flush_mib), or on a CPU without CLFLUSHOPT (then 96
 // MiB), a read of that much alone, which leaves the case's data wherever a
 // larger cache keeps it: on that Xeon, whose shared L3 is reported as 480

@@ -49,8 +49,10 @@
 // at a time or two side by side, 256 bytes of each in turn, each stream
 // with its own prefetches (t0 and t1: prefetcht0 and prefetcht1 that many
 // KB ahead; st: the first 8 lines of each 4 KB page that far ahead, by
-// prefetcht1), with no work or the fma work per line. --streams_only
-// prints the seq line and this table alone. --threads=N (with
+// prefetcht1), with no work or the fma work per line; each row against
+// sequential passes of the pool alternated with its own (session 28), so
+// that both see the same moments of this VM. --streams_only prints the
+// seq line and this table alone. --threads=N (with
 // --streams_only) runs the seq line and the streams table on N threads,
 // each over its own contiguous share of the pages or runs, timed as
 // attention_bench times its N-thread read (thread start to last join):
