@@ -268,10 +268,10 @@ struct Scratch {
 // give it). A scratch allocated and freed by every call (hundreds of KB
 // for long rows) left it to the allocator whether the memory went back to
 // the kernel at each free: in one measured state glibc shrank its heap
-// after every call (brk), which flushed the TLB and refaulted the pages
-// (bf16 decode, 1024 keys, batch 1: 1.2x the time on this Zen 5 VM, whose
-// host maps memory in 4 KB pages, so that the call walked its K/V pages
-// again; docs/attention.md, session 28). A thread keeps at most
+// after every call and grew it at the next (brk), so that every call
+// flushed the TLB and faulted its scratch's pages in again (bf16 decode,
+// 1024 keys, batch 1: 1.2-1.35x the time on this Zen 5 VM;
+// docs/attention.md, session 28). A thread keeps at most
 // kKeepBytes between calls: decode's scratch is smaller (a vLLM row's
 // logits are at most 256 KB, a per-head item's 512 KB at 32k keys), and a
 // server may call from many threads; a bigger one (a long prefill chunk's)
