@@ -244,22 +244,31 @@ struct Scratch {
   // Every vector empty (capacity kept), as a new Scratch: the kernel's
   // resizes then zero-fill them as they would a fresh one's.
   void Clear() {
-    for (LineVector<float>* v :
-         {&q, &q2, &logits, &lanes, &weights, &m, &s, &acc, &part}) {
-      v->clear();
-    }
-    qb.clear();
-    tiles.clear();
+    ForEachVector(*this, [](auto& v) { v.clear(); });
     logits_off = 0;
   }
   size_t CapacityBytes() const {
-    size_t n = qb.capacity() * sizeof(uint16_t) +
-               tiles.capacity() * sizeof(amx::Tile16);
-    for (const LineVector<float>* v :
-         {&q, &q2, &logits, &lanes, &weights, &m, &s, &acc, &part}) {
-      n += v->capacity() * sizeof(float);
-    }
+    size_t n = 0;
+    ForEachVector(*this,
+                  [&n](const auto& v) { n += v.capacity() * sizeof(v[0]); });
     return n;
+  }
+
+ private:
+  // f(v) for every vector member (a member added above belongs here too).
+  template <typename Self, typename F>
+  static void ForEachVector(Self& self, F f) {
+    f(self.q);
+    f(self.q2);
+    f(self.qb);
+    f(self.logits);
+    f(self.lanes);
+    f(self.weights);
+    f(self.m);
+    f(self.s);
+    f(self.acc);
+    f(self.part);
+    f(self.tiles);
   }
 };
 
