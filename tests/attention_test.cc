@@ -1333,8 +1333,9 @@ TEST(PagedAttention, VllmDecodeRowsOverEveryKvHead) {
             Check(k);
             if (HasFatalFailure()) return;
             // 16-bit: where the logits of every query head over the
-            // longest row fit 256 KB.
-            const bool fit = sh.heads * context * 4 <= int64_t{256} * 1024;
+            // longest row fit 256 KB, or 2 MiB in calls of at most 8 rows
+            // (Check's batch has 3).
+            const bool fit = sh.heads * context * 4 <= int64_t{2} << 20;
             EXPECT_EQ(internal::VllmRowPasses() > before,
                       avx512 && rows && sh.kv_heads > 1 &&
                           sh.block_size % 16 == 0 &&
@@ -1352,6 +1353,46 @@ TEST(PagedAttention, VllmDecodeRowsOverEveryKvHead) {
   Check(k);
   if (HasFatalFailure()) return;
   EXPECT_EQ(internal::VllmRowPasses(), before);
+}
+
+// Which 16-bit decode calls take rows over every KV head: logits of up to
+// 256 KB a row in any call, up to 2 MiB in calls of at most 8 rows
+// (AttentionParams::vllm_rows; timed in docs/attention.md, session 28).
+TEST(PagedAttention, VllmRowsPast256KbOnlyInCallsOfFewRows) {
+  const bool avx512 = IsaSupported(AttentionParams::Isa::kAvx512);
+  struct Call {
+    int64_t heads, keys, batch;
+    bool rows;
+  };
+  const Call calls[] = {
+      {8, 8192, 9, true},     // 256 KB exactly: any batch
+      {8, 8200, 8, true},     // past 256 KB, 8 rows
+      {8, 8200, 9, false},    // past 256 KB, 9 rows
+      {128, 4096, 1, true},   // 2 MiB exactly, one row
+      {128, 4100, 1, false},  // past 2 MiB
+  };
+  for (const Call& k : calls) {
+    const int64_t bs = 16, width = (k.keys + bs - 1) / bs;
+    auto cache = SmallCache(DType::kBFloat16, width * k.batch, bs, 2, 64);
+    std::memset(cache->key(0).raw_data(), 0, cache->key(0).nbytes());
+    std::memset(cache->value(0).raw_data(), 0, cache->value(0).nbytes());
+    AttentionRows rows;
+    rows.num_real = k.batch;
+    rows.width = width;
+    for (int64_t r = 0; r <= k.batch; ++r) rows.query_start.push_back(r);
+    rows.seq_lens.assign(k.batch, k.keys);
+    rows.block_tables.resize(width * k.batch);
+    std::iota(rows.block_tables.begin(), rows.block_tables.end(), 0);
+    const Tensor q =
+        *Tensor::Zeros(CpuDevice(), DType::kBFloat16, {k.batch, k.heads, 64});
+    const int64_t before = internal::VllmRowPasses();
+    Tensor out;
+    const absl::Status s =
+        PagedAttention(*cache, 0, q, rows, AttentionParams(), nullptr, &out);
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(internal::VllmRowPasses() > before, avx512 && k.rows)
+        << k.heads << " heads, " << k.keys << " keys, " << k.batch << " rows";
+  }
 }
 
 // Prefill chunks of 16-bit caches in the vLLM layout (the AVX-512 build's
