@@ -280,14 +280,13 @@ struct Scratch {
 // after every call and grew it at the next (brk), so that every call
 // flushed the TLB and faulted its scratch's pages in again (bf16 decode,
 // 1024 keys, batch 1: 1.2-1.35x the time on this Zen 5 VM;
-// docs/attention.md, session 28). A thread keeps at most
-// kKeepBytes between calls: decode's scratch is smaller (a vLLM row's
-// logits are at most 2 MiB, in calls of a few rows, a per-head item's 512
-// KB at 32k keys), and a server may call from many threads; a bigger one
-// (a long prefill chunk's)
-// is freed after its call, whose length makes the malloc negligible. A
-// nested lease on the same thread (not expected) gets a scratch of its
-// own.
+// docs/attention.md, session 28). A thread keeps at most kKeepBytes
+// between calls: decode's scratch is smaller (a vLLM row's logits are at
+// most 2 MiB, in calls of a few rows; a per-head item's 512 KB at 32k
+// keys), and a server may call from many threads; a bigger one (a long
+// prefill chunk's) is freed after its call, whose length makes the malloc
+// negligible. A nested lease on the same thread (not expected) gets a
+// scratch of its own.
 class ScratchLease {
  public:
   static constexpr size_t kKeepBytes = size_t{4} << 20;
