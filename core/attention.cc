@@ -294,13 +294,12 @@ class ScratchLease {
   ScratchLease() {
     if (!busy_) {
       busy_ = true;
-      owned_ = true;
       scratch_ = &kept_;
       scratch_->Clear();
     }
   }
   ~ScratchLease() {
-    if (!owned_) return;
+    if (scratch_ != &kept_) return;
     if (kept_.CapacityBytes() > kKeepBytes) kept_ = Scratch();
     busy_ = false;
   }
@@ -313,8 +312,7 @@ class ScratchLease {
   static thread_local Scratch kept_;
   static thread_local bool busy_;
   Scratch own_;
-  Scratch* scratch_ = &own_;
-  bool owned_ = false;
+  Scratch* scratch_ = &own_;  // &kept_ when this lease holds the thread's
 };
 thread_local Scratch ScratchLease::kept_;
 thread_local bool ScratchLease::busy_ = false;
