@@ -19,9 +19,9 @@
 // than in "mean of" (16-bit 3-12, fp32's longer calls -2 to 7, in two
 // grids), where batches of 16 or more agree within 4 (68 of 70 cells;
 // docs/attention.md, session 29). On two threads "mean of" moved between
-// 48% and 118% in one grid: batch-1 calls' mean took 1.2-1.6x their best
-// there (the read rounds' 1.01-1.12x), and in a few cases some read rounds
-// took far longer than the rest (their mean 1.4-1.6x their best).
+// 56% and 169% in one grid: batch-1 calls' mean took 1.1-1.8x their best
+// (the read rounds' 1.0-1.1x in most cases), and in five cases some read
+// rounds took far longer than the rest (their mean 1.3-2.3x their best).
 //
 //   build/bench/attention_bench [--full] [--seconds=0.3] [--layout=nhd]
 //       [--no_baseline]
