@@ -11,17 +11,14 @@
 //
 // Columns: "best GB/s" is the case's fastest call and "read GB/s" its
 // fastest read round; "of read", the one against the other, is the goal's
-// figure. "mean GB/s" is all the calls' bytes over their time, and "mean
-// of" that against the read rounds' bytes over theirs. Best against best
-// favours short calls: the best of thousands of 0.1 ms calls finds quieter
-// moments of this shared VM than the best of a few dozen 6 ms read rounds,
-// so batch-1 cells on one thread read up to 12 points higher in "of read"
-// than in "mean of" (16-bit 3-12, fp32's longer calls -2 to 7, in two
-// grids), where batches of 16 or more agree within 4 (68 of 70 cells;
-// docs/attention.md, session 29). On two threads "mean of" moved between
-// 56% and 169% in one grid: batch-1 calls' mean took 1.1-1.8x their best
-// (the read rounds' 1.0-1.1x in most cases), and in five cases some read
-// rounds took far longer than the rest (their mean 1.3-2.3x their best).
+// figure. "median of" is the median call's rate against the median read
+// round's. Best against best favours short calls: the best of thousands
+// of 0.1 ms calls finds quieter moments of this shared VM than the best of
+// a few dozen 6 ms read rounds, so one-thread batch-1 cells read 2-13
+// points lower by medians, where calls of batch 16 and more mostly agree
+// within a few points either way (docs/attention.md, session 29). Medians,
+// not means: a few slow read rounds moved a mean-based figure by tens of
+// points in some cases.
 //
 //   build/bench/attention_bench [--full] [--seconds=0.3] [--layout=nhd]
 //       [--no_baseline]
@@ -386,10 +383,17 @@ struct Result {
   double rate;  // mean over the run: GB/s (decode) or GFLOP/s (prefill)
   double us;    // mean per call
   double best_us;
-  double baseline;  // best interleaved read GB/s or FMA GFLOP/s; 0 if none
-  // The interleaved rounds' mean: their bytes (FLOPs) over their time.
-  double baseline_mean;
+  double baseline;   // best interleaved read GB/s or FMA GFLOP/s; 0 if none
+  double median_us;  // the median call's
+  double baseline_median;  // the median round's rate; 0 if none
 };
+
+// The median of v (the upper one of an even count); 0 if v is empty.
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+  return v[v.size() / 2];
+}
 
 struct Options {
   kvstep::CacheLayout layout = kvstep::CacheLayout::kVllm;
@@ -647,11 +651,7 @@ Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
   // shared VM: a neighbour moves both by 25% or more within seconds.
   int iters = 0;
   double kernel_s = 0, best = 1e30, read = 0;
-  // The rounds' mean rate, as the kernel's: their work over their time.
-  // Every round does the same work (kReadBytes, or FmaPeak's FMAs), so
-  // that is the harmonic mean of their rates.
-  int rounds = 0;
-  double read_inv = 0;
+  std::vector<double> calls, rates;  // every call's time, round's rate
   const double start = Now();
   while (Now() - start < seconds || iters < 3) {
     double round_s = 0.02;
@@ -662,21 +662,20 @@ Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
                                         : bw->Read(threads, kReadBytes, 1);
       read = std::max(read, rate);
       round_s = Now() - t;
-      if (rate > 0) {
-        ++rounds;
-        read_inv += 1.0 / rate;
-      }
+      if (rate > 0) rates.push_back(rate);
     }
     const double round_start = Now();
     do {
       const double dt = TimedCall(&st, o, flusher, rows, p, &pool, &out);
       best = std::min(best, dt);
       kernel_s += dt;
+      calls.push_back(dt);
       ++iters;
     } while (Now() - round_start < round_s);
   }
-  return {work * iters / kernel_s / 1e9, kernel_s / iters * 1e6, best * 1e6,
-          read, rounds > 0 ? rounds / read_inv : 0.0};
+  return {
+      work * iters / kernel_s / 1e9, kernel_s / iters * 1e6, best * 1e6, read,
+      Median(calls) * 1e6,           Median(rates)};
 }
 
 // --pool_poll_us=N or --pool_idle_poll_us=N (N >= 0) into *polls; false
@@ -918,8 +917,8 @@ int main(int argc, char** argv) {
         "GB/s (2 threads), copy %.1f GB/s; each case's \"read\" is the best "
         "of 256 MiB read passes interleaved with its calls (same thread "
         "count), and \"of read\" is the kernel's best call against it; "
-        "\"mean of\" is the kernel's mean rate against those passes' mean "
-        "rate (each side's work over its time)\n",
+        "\"median of\" is the kernel's median call against those passes' "
+        "median\n",
         read1, read2, bw.Copy());
   }
   std::printf(
@@ -963,11 +962,11 @@ int main(int argc, char** argv) {
     std::printf("%-9s %7s %6s %8s %10s %10s %7s %6s\n", "dtype", "context",
                 "batch", "threads", "A best us", "B best us", "B/A", "pairs");
   } else {
-    std::printf("%-9s %7s %6s %8s %10s %10s %9s %9s %9s %8s %8s\n", "dtype",
+    std::printf("%-9s %7s %6s %8s %10s %10s %9s %9s %9s %8s %9s\n", "dtype",
                 "context", "batch", "threads", "us/call", "best us",
                 pf ? "mean GF/s" : "mean GB/s", pf ? "best GF/s" : "best GB/s",
                 pf ? "FMA GF/s" : "read GB/s", pf ? "of FMA" : "of read",
-                "mean of");
+                "median of");
   }
   const std::vector<int64_t> contexts =
       full ? std::vector<int64_t>{128, 512, 1024, 2048, 4096, 8192}
@@ -1019,11 +1018,13 @@ int main(int argc, char** argv) {
           const double best_gbs = r.rate * r.us / r.best_us;
           std::printf(
               "%-9s %7ld %6ld %8d %10.1f %10.1f %9.2f %9.2f %9.2f %7.0f%% "
-              "%7.0f%%\n",
+              "%8.0f%%\n",
               std::string(kvstep::DTypeName(d)).c_str(), static_cast<long>(ctx),
               static_cast<long>(batch), threads, r.us, r.best_us, r.rate,
               best_gbs, read, read > 0 ? 100.0 * best_gbs / read : 0.0,
-              r.baseline_mean > 0 ? 100.0 * r.rate / r.baseline_mean : 0.0);
+              r.baseline_median > 0
+                  ? 100.0 * (r.rate * r.us / r.median_us) / r.baseline_median
+                  : 0.0);
           std::fflush(stdout);
         }
         if (only_batch != 0) break;
