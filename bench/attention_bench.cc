@@ -14,7 +14,7 @@
 // figure. "median of" is the median call's rate against the median read
 // round's. Best against best favours short calls: the best of thousands
 // of 0.1 ms calls finds quieter moments of this shared VM than the best of
-// a few dozen 6 ms read rounds, so one-thread batch-1 cells read 2-13
+// a few dozen 6 ms read rounds, so one-thread batch-1 cells read 0-13
 // points lower by medians, where calls of batch 16 and more mostly agree
 // within a few points either way (docs/attention.md, session 29). Medians,
 // not means: a few slow read rounds moved a mean-based figure by tens of
