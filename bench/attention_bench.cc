@@ -383,9 +383,9 @@ struct Result {
   double rate;  // mean over the run: GB/s (decode) or GFLOP/s (prefill)
   double us;    // mean per call
   double best_us;
-  double baseline;   // best interleaved read GB/s or FMA GFLOP/s; 0 if none
-  double median_us;  // the median call's
-  double baseline_median;  // the median round's rate; 0 if none
+  double baseline;     // best interleaved read GB/s or FMA GFLOP/s; 0 if none
+  double median_rate;  // the median call's, as `rate`
+  double baseline_median;  // the median round's, as `baseline`
 };
 
 // The median of v (the upper one of an even count); 0 if v is empty.
@@ -673,9 +673,13 @@ Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
       ++iters;
     } while (Now() - round_start < round_s);
   }
-  return {
-      work * iters / kernel_s / 1e9, kernel_s / iters * 1e6, best * 1e6, read,
-      Median(calls) * 1e6,           Median(rates)};
+  const double median_s = Median(calls);
+  return {work * iters / kernel_s / 1e9,
+          kernel_s / iters * 1e6,
+          best * 1e6,
+          read,
+          median_s > 0 ? work / median_s / 1e9 : 0.0,
+          Median(rates)};
 }
 
 // --pool_poll_us=N or --pool_idle_poll_us=N (N >= 0) into *polls; false
@@ -1022,9 +1026,8 @@ int main(int argc, char** argv) {
               std::string(kvstep::DTypeName(d)).c_str(), static_cast<long>(ctx),
               static_cast<long>(batch), threads, r.us, r.best_us, r.rate,
               best_gbs, read, read > 0 ? 100.0 * best_gbs / read : 0.0,
-              r.baseline_median > 0
-                  ? 100.0 * (r.rate * r.us / r.median_us) / r.baseline_median
-                  : 0.0);
+              r.baseline_median > 0 ? 100.0 * r.median_rate / r.baseline_median
+                                    : 0.0);
           std::fflush(stdout);
         }
         if (only_batch != 0) break;
