@@ -439,6 +439,8 @@ struct Options {
   //     time, 5-12% of a two-thread batch-1 call's).
   enum class ColdMode { kLayers, kFlush };
   ColdMode cold_mode = ColdMode::kLayers;
+  // Whether cold calls cycle over layers (kLayers, and not --warm).
+  bool CyclesLayers() const { return cold && cold_mode == ColdMode::kLayers; }
   bool ab = false;  // --vs: time `vs` against `params` call by call
   AttentionParams vs;
   // The pool's polls (ThreadPool::set_finish_poll, set_idle_poll), for
@@ -558,7 +560,7 @@ Setup MakeSetup(DType dtype, int64_t ctx, int64_t batch, const Options& o) {
   c.num_blocks = std::max(per_row * batch, (o.pool_mib << 20) / block_bytes);
   const int64_t layer_bytes = c.num_blocks * block_bytes;
   c.num_layers =
-      o.cold && o.cold_mode == Options::ColdMode::kLayers
+      o.CyclesLayers()
           ? std::max<int64_t>(1, (kStepBytes + layer_bytes - 1) / layer_bytes)
           : 1;
   Setup st;
@@ -621,7 +623,7 @@ Setup MakeSetup(DType dtype, int64_t ctx, int64_t batch, const Options& o) {
 double TimedCall(Setup* st, const Options& o, CacheFlusher* flusher,
                  const AttentionRows& rows, const AttentionParams& p,
                  ThreadPool* pool, Tensor* out) {
-  const bool layers = o.cold && o.cold_mode == Options::ColdMode::kLayers;
+  const bool layers = o.CyclesLayers();
   const int64_t layer = layers ? st->next_layer : 0;
   if (o.cold && !layers) flusher->Flush(*st->cache, rows);
   const double t = Now();
@@ -649,11 +651,10 @@ Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
   // Rounds of one read pass (at the same thread count) and then kernel
   // calls for about as long, so that the two see the same moments of this
   // shared VM: a neighbour moves both by 25% or more within seconds.
-  int iters = 0;
-  double kernel_s = 0, best = 1e30, read = 0;
+  double read = 0;
   std::vector<double> calls, rates;  // every call's time, round's rate
   const double start = Now();
-  while (Now() - start < seconds || iters < 3) {
+  while (Now() - start < seconds || calls.size() < 3) {
     double round_s = 0.02;
     if (bw != nullptr) {
       const double t = Now();
@@ -666,17 +667,15 @@ Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
     }
     const double round_start = Now();
     do {
-      const double dt = TimedCall(&st, o, flusher, rows, p, &pool, &out);
-      best = std::min(best, dt);
-      kernel_s += dt;
-      calls.push_back(dt);
-      ++iters;
+      calls.push_back(TimedCall(&st, o, flusher, rows, p, &pool, &out));
     } while (Now() - round_start < round_s);
   }
+  const double kernel_s = std::accumulate(calls.begin(), calls.end(), 0.0);
+  const auto n = static_cast<double>(calls.size());
   const double median_s = Median(calls);
-  return {work * iters / kernel_s / 1e9,
-          kernel_s / iters * 1e6,
-          best * 1e6,
+  return {work * n / kernel_s / 1e9,
+          kernel_s / n * 1e6,
+          *std::min_element(calls.begin(), calls.end()) * 1e6,
           read,
           median_s > 0 ? work / median_s / 1e9 : 0.0,
           Median(rates)};
@@ -931,7 +930,7 @@ int main(int argc, char** argv) {
       o.layout == kvstep::CacheLayout::kVllm ? "vllm" : "nhd",
       kvstep::Describe(o.params).c_str(), o.polls.Describe().c_str(),
       static_cast<long>(o.kv_heads), kvstep::TablesName(o.tables));
-  if (o.cold && o.cold_mode == kvstep::Options::ColdMode::kLayers) {
+  if (o.CyclesLayers()) {
     std::printf(
         "cold caches as in a decode step (the case's K/V in as many layers as "
         "make %ld MiB, calls cycling over them, each layer's K/V lines "
