@@ -383,6 +383,7 @@ struct Result {
   double rate;  // mean over the run: GB/s (decode) or GFLOP/s (prefill)
   double us;    // mean per call
   double best_us;
+  double best_rate;    // the best call's, as `rate`
   double baseline;     // best interleaved read GB/s or FMA GFLOP/s; 0 if none
   double median_rate;  // the median call's, as `rate`
   double baseline_median;  // the median round's, as `baseline`
@@ -673,9 +674,11 @@ Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
   const double kernel_s = std::accumulate(calls.begin(), calls.end(), 0.0);
   const auto n = static_cast<double>(calls.size());
   const double median_s = Median(calls);
+  const double best_s = *std::min_element(calls.begin(), calls.end());
   return {work * n / kernel_s / 1e9,
           kernel_s / n * 1e6,
-          *std::min_element(calls.begin(), calls.end()) * 1e6,
+          best_s * 1e6,
+          best_s > 0 ? work / best_s / 1e9 : 0.0,
           read,
           median_s > 0 ? work / median_s / 1e9 : 0.0,
           Median(rates)};
@@ -1018,7 +1021,7 @@ int main(int argc, char** argv) {
               d, ctx, batch, threads, o, baseline ? &bw : nullptr, &flusher);
           const double read = r.baseline;
           // Best against best, both from the same rounds.
-          const double best_gbs = r.rate * r.us / r.best_us;
+          const double best_gbs = r.best_rate;
           std::printf(
               "%-9s %7ld %6ld %8d %10.1f %10.1f %9.2f %9.2f %9.2f %7.0f%% "
               "%8.0f%%\n",
