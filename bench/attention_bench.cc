@@ -27,7 +27,7 @@
 //       [--kernel=v1|v2] [--isa=avx512|avx2|portable] [--kv_heads=8]
 //       [--prefill=N] [--warm] [--cold=layers|flush]
 //       [--vs=isa=avx2|kernel=v1|kernel=v2|...]
-//       [--pool_mib=N] [--tables=random|sorted|sequential|descending]
+//       [--pool_mib=N] [--tables=random|sorted|sequential|descending|runs]
 //       [--max_gb=2]
 //       [--prefetch=auto|nta|t0|t1] [--flush_mib=N]
 //       [--bf16_keys=auto|dot|widen] [--amx=on|off] [--fp8_dot=on|off]
@@ -48,7 +48,9 @@
 // (w blocks a row) in order, as a fresh pool would to one growing
 // sequence, instead of a random draw from the pool; --tables=descending
 // the same blocks highest first, as kvstep's default allocator
-// (BlockOrder::kDescending) hands them out.
+// (BlockOrder::kDescending) hands them out; --tables=runs gives each row
+// w consecutive blocks at a random place of the pool (rows in no order),
+// as BlockOrder::kRuns keeps a sequence's blocks.
 //
 // --touch_min_mib and --touch_min_blocks set AttentionParams' slice touch
 // gates (by default this CPU's; 0 and 0 touch every item, a huge
@@ -416,8 +418,11 @@ struct Options {
   // kDescending, row r holds blocks r * w + w - 1 .. r * w, highest
   // first: what kvstep's default allocator (BlockOrder::kDescending, a
   // LIFO free list) hands a fresh pool's prefills, and a freed table's
-  // blocks again to the next allocation of the same size.
-  enum class Tables { kRandom, kSorted, kSequential, kDescending };
+  // blocks again to the next allocation of the same size. kRuns, row r
+  // holds w consecutive blocks from a random multiple of w: what
+  // BlockOrder::kRuns keeps a sequence's table as under traffic (96-100%
+  // of its consecutive entries adjacent; tests/block_allocator_test.cc).
+  enum class Tables { kRandom, kSorted, kSequential, kDescending, kRuns };
   Tables tables = Tables::kRandom;
   Tables vs_tables = Tables::kRandom;  // B's, with --vs=tables=...
   // Cold: each call starts with the layer's K/V out of the caches, as in a
@@ -581,6 +586,16 @@ Setup MakeSetup(DType dtype, int64_t ctx, int64_t batch, const Options& o) {
     const bool runs = kind == Options::Tables::kSequential ||
                       kind == Options::Tables::kDescending;
     if (!runs) std::shuffle(perm.begin(), perm.end(), std::mt19937_64(1));
+    if (kind == Options::Tables::kRuns) {
+      std::vector<int64_t> slot(c.num_blocks / per_row);
+      std::iota(slot.begin(), slot.end(), 0);
+      std::shuffle(slot.begin(), slot.end(), std::mt19937_64(1));
+      for (int64_t r = 0; r < batch; ++r) {
+        for (int64_t k = 0; k < per_row; ++k) {
+          perm[r * per_row + k] = slot[r] * per_row + k;
+        }
+      }
+    }
     perm.resize(per_row * batch);
     if (kind == Options::Tables::kDescending) {
       for (int64_t r = 0; r < batch; ++r) {
@@ -705,15 +720,16 @@ bool ParsePollFlag(const std::string& a, Options::Polls* polls) {
   return false;
 }
 
-// --tables=random|sorted|sequential|descending into *t; false for any other
-// flag.
+// --tables=random|sorted|sequential|descending|runs into *t; false for any
+// other flag.
 bool ParseTables(const std::string& a, Options::Tables* t) {
   using T = Options::Tables;
   for (const auto& [name, kind] :
        {std::pair<const char*, T>{"--tables=random", T::kRandom},
         {"--tables=sorted", T::kSorted},
         {"--tables=sequential", T::kSequential},
-        {"--tables=descending", T::kDescending}}) {
+        {"--tables=descending", T::kDescending},
+        {"--tables=runs", T::kRuns}}) {
     if (a == name) {
       *t = kind;
       return true;
@@ -730,6 +746,8 @@ const char* TablesName(Options::Tables t) {
       return "sequential";
     case Options::Tables::kDescending:
       return "descending";
+    case Options::Tables::kRuns:
+      return "runs";
     case Options::Tables::kRandom:
       break;
   }

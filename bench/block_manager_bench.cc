@@ -1,6 +1,8 @@
 // Block manager speed on one thread: raw allocate/release, a sequence's
 // allocate+free through the SequenceManager, fork, and prefix-cache lookup.
-// items_per_second counts blocks. Run: build/bench/block_manager_bench
+// items_per_second counts blocks. The second argument of the first two and
+// of BM_NearlyFullPool: 0 the LIFO stack (BlockOrder::kAscending), 1 runs
+// (BlockOrder::kRuns). Run: build/bench/block_manager_bench
 #include <vector>
 
 #include "benchmark/benchmark.h"
@@ -13,8 +15,12 @@ namespace {
 constexpr int64_t kBlocks = 1 << 16;
 constexpr int64_t kBs = 16;
 
+BlockOrder OrderArg(const benchmark::State& state) {
+  return state.range(1) != 0 ? BlockOrder::kRuns : BlockOrder::kAscending;
+}
+
 void BM_AllocatorAllocateRelease(benchmark::State& state) {
-  BlockAllocator a(kBlocks, BlockOrder::kAscending);
+  BlockAllocator a(kBlocks, OrderArg(state));
   const int64_t n = state.range(0);
   std::vector<BlockId> ids;
   ids.reserve(n);
@@ -25,10 +31,35 @@ void BM_AllocatorAllocateRelease(benchmark::State& state) {
   }
   state.SetItemsProcessed(state.iterations() * n * 2);  // one op each way
 }
-BENCHMARK(BM_AllocatorAllocateRelease)->Arg(1)->Arg(16)->Arg(256);
+BENCHMARK(BM_AllocatorAllocateRelease)->ArgsProduct({{1, 16, 256}, {0, 1}});
+
+// One block at a time after another (a decoding sequence's growth) in a
+// pool with `free` free blocks spread evenly over it, the rest owned: runs
+// cannot continue the run (the next id is owned), so each allocation
+// searches from the cursor, the worst case for BlockOrder::kRuns.
+void BM_NearlyFullPool(benchmark::State& state) {
+  BlockAllocator a(kBlocks, OrderArg(state));
+  const int64_t free = state.range(0);
+  std::vector<BlockId> all, keep, one;
+  (void)a.Allocate(kBlocks, &all);
+  for (BlockId b : all) {
+    if (b % (kBlocks / free) != 0) keep.push_back(b);
+  }
+  for (BlockId b : all) {
+    if (b % (kBlocks / free) == 0) (void)a.Release({&b, 1});
+  }
+  for (auto _ : state) {
+    one.clear();
+    (void)a.Allocate(1, &one, /*after=*/1);
+    (void)a.Release(one);
+  }
+  if (a.num_free() != free) state.SkipWithError("lost a block");
+  state.SetItemsProcessed(state.iterations() * 2);
+}
+BENCHMARK(BM_NearlyFullPool)->ArgsProduct({{1, 64, 4096}, {0, 1}});
 
 void BM_SequenceAllocateFree(benchmark::State& state) {
-  BlockAllocator a(kBlocks, BlockOrder::kAscending);
+  BlockAllocator a(kBlocks, OrderArg(state));
   SequenceManager m(&a, nullptr, kBs, 1 << 20, 1 << 20);
   const int64_t blocks = state.range(0);
   std::vector<SequenceGrowth> out;
@@ -42,7 +73,7 @@ void BM_SequenceAllocateFree(benchmark::State& state) {
   }
   state.SetItemsProcessed(state.iterations() * blocks * 2);
 }
-BENCHMARK(BM_SequenceAllocateFree)->Arg(1)->Arg(16)->Arg(256);
+BENCHMARK(BM_SequenceAllocateFree)->ArgsProduct({{1, 16, 256}, {0, 1}});
 
 void BM_Fork(benchmark::State& state) {
   BlockAllocator a(kBlocks, BlockOrder::kAscending);

@@ -7,7 +7,15 @@
 namespace kvstep {
 
 absl::string_view BlockOrderName(BlockOrder order) {
-  return order == BlockOrder::kDescending ? "descending" : "ascending";
+  switch (order) {
+    case BlockOrder::kDescending:
+      return "descending";
+    case BlockOrder::kAscending:
+      return "ascending";
+    case BlockOrder::kRuns:
+      return "runs";
+  }
+  return "ascending";
 }
 
 BlockAllocator::BlockAllocator(int64_t num_blocks, BlockOrder order,
@@ -19,12 +27,49 @@ BlockAllocator::BlockAllocator(int64_t num_blocks, BlockOrder order,
       lru_prev_(static_cast<size_t>(num_blocks), kNone),
       lru_next_(static_cast<size_t>(num_blocks), kNone),
       in_lru_(static_cast<size_t>(num_blocks), false) {
+  if (order == BlockOrder::kRuns) {
+    free_bits_.assign(static_cast<size_t>((num_blocks + 63) / 64), 0);
+    for (int64_t i = 0; i < num_blocks; ++i) PushFree(static_cast<BlockId>(i));
+    return;
+  }
   free_.reserve(static_cast<size_t>(num_blocks));
   // The stack pops from the back: push the first block to hand out last.
   for (int64_t i = 0; i < num_blocks; ++i) {
     free_.push_back(static_cast<BlockId>(
         order == BlockOrder::kDescending ? i : num_blocks - 1 - i));
   }
+}
+
+void BlockAllocator::PushFree(BlockId id) {
+  if (order_ != BlockOrder::kRuns) {
+    free_.push_back(id);
+    return;
+  }
+  free_bits_[static_cast<size_t>(id) / 64] |= uint64_t{1} << (id % 64);
+  ++num_free_runs_;
+}
+
+void BlockAllocator::TakeRunsFree(BlockId id) {
+  free_bits_[static_cast<size_t>(id) / 64] &= ~(uint64_t{1} << (id % 64));
+  --num_free_runs_;
+}
+
+BlockId BlockAllocator::NextRunsFree(int64_t from) const {
+  if (num_free_runs_ == 0) return kNone;
+  const int64_t words = static_cast<int64_t>(free_bits_.size());
+  // The rest of from's word, the words after it, then round from the
+  // start to from's word again (whole, which covers its lower bits).
+  int64_t w = from / 64;
+  uint64_t bits =
+      free_bits_[static_cast<size_t>(w)] & (~uint64_t{0} << (from % 64));
+  for (int64_t k = 0; k <= words; ++k) {
+    if (bits != 0) {
+      return static_cast<BlockId>(w * 64 + __builtin_ctzll(bits));
+    }
+    if (++w == words) w = 0;
+    bits = free_bits_[static_cast<size_t>(w)];
+  }
+  return kNone;  // unreachable while num_free_runs_ > 0
 }
 
 void BlockAllocator::LruRemove(BlockId id) {
@@ -57,16 +102,31 @@ void BlockAllocator::Unregister(BlockId id, bool emit) {
   }
 }
 
-absl::Status BlockAllocator::Allocate(int64_t n, std::vector<BlockId>* out) {
+absl::Status BlockAllocator::Allocate(int64_t n, std::vector<BlockId>* out,
+                                      BlockId after) {
   if (n < 0) return absl::InvalidArgumentError("negative block count");
   if (n > num_available()) {
     return absl::ResourceExhaustedError(
         absl::StrFormat("need %d blocks, %d available: %d blocks missing", n,
                         num_available(), n - num_available()));
   }
+  const bool runs = order_ == BlockOrder::kRuns;
+  // kRuns: the next block of the run (after + 1, ...), taken while free.
+  BlockId want = runs && IsValid(after) ? after + 1 : kNone;
+  bool fresh_run = false;  // took a block at the cursor
   for (int64_t i = 0; i < n; ++i) {
     BlockId id;
-    if (!free_.empty()) {
+    if (runs && num_free_runs_ > 0) {
+      if (IsValid(want) && RunsFree(want)) {
+        id = want;
+      } else {
+        id = NextRunsFree(cursor_);
+        cursor_ = (id + 1) % num_blocks();
+        fresh_run = true;
+      }
+      TakeRunsFree(id);
+      want = id + 1;
+    } else if (!runs && !free_.empty()) {
       id = free_.back();
       free_.pop_back();
     } else {
@@ -76,6 +136,16 @@ absl::Status BlockAllocator::Allocate(int64_t n, std::vector<BlockId>* out) {
     }
     ref_counts_[id] = 1;
     out->push_back(id);
+  }
+  if (fresh_run) {
+    // The cursor moves past the run's end and kRunGap free blocks more,
+    // left to the run's sequence to grow into.
+    cursor_ = (out->back() + 1) % num_blocks();
+    for (int64_t k = 0; k < kRunGap; ++k) {
+      const BlockId gap = NextRunsFree(cursor_);
+      if (gap == kNone) break;
+      cursor_ = (gap + 1) % num_blocks();
+    }
   }
   return absl::OkStatus();
 }
@@ -93,7 +163,7 @@ absl::Status BlockAllocator::Release(absl::Span<const BlockId> ids) {
     if (hash_of_[id].has_value()) {
       LruPushBack(id);
     } else {
-      free_.push_back(id);
+      PushFree(id);
     }
   }
   return absl::OkStatus();
@@ -139,7 +209,7 @@ void BlockAllocator::Forget(BlockId id) {
   Unregister(id, /*emit=*/true);
   if (in_lru_[id]) {
     LruRemove(id);
-    free_.push_back(id);
+    PushFree(id);
   }
 }
 
@@ -147,7 +217,7 @@ void BlockAllocator::ResetPrefixCache() {
   while (lru_head_ != kNone) {
     const BlockId id = lru_head_;
     LruRemove(id);
-    free_.push_back(id);
+    PushFree(id);
   }
   for (auto& h : hash_of_) h.reset();
   by_hash_.clear();

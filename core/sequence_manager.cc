@@ -183,11 +183,6 @@ absl::Status SequenceManager::Allocate(
     for (BlockId b : item.hits) device_->Acquire(b);
   }
   std::vector<BlockId> fresh;
-  fresh.reserve(static_cast<size_t>(plan.needed));
-  if (absl::Status s = device_->Allocate(plan.needed, &fresh); !s.ok()) {
-    return s;  // unreachable: availability was checked above
-  }
-  size_t next = 0;
   out->reserve(out->size() + requests.size());
   for (size_t i = 0; i < requests.size(); ++i) {
     const SequenceRequest& r = requests[i];
@@ -196,6 +191,22 @@ absl::Status SequenceManager::Allocate(
     g.seq_id = r.seq_id;
     g.created = item.create;
     Sequence& s = seqs_[r.seq_id];
+    // Each sequence's fresh blocks (its copies, then its growth) in one
+    // allocation that follows the last block staying in its table, so
+    // that BlockOrder::kRuns continues its run; the stack orders hand out
+    // what one allocation of the whole plan would, in the same order.
+    const std::vector<BlockId>& kept = item.create ? item.hits : s.blocks;
+    const size_t keep = item.cow_index.empty()
+                            ? kept.size()
+                            : static_cast<size_t>(item.cow_index.front());
+    fresh.clear();
+    if (absl::Status st = device_->Allocate(
+            static_cast<int64_t>(item.cow_index.size()) + item.grow, &fresh,
+            keep > 0 ? kept[keep - 1] : BlockAllocator::kNone);
+        !st.ok()) {
+      return st;  // unreachable: availability was checked above
+    }
+    size_t next = 0;
     if (item.create) {
       s.blocks = item.hits;
       s.hashes = item.hit_hashes;

@@ -31,9 +31,11 @@ ABSL_FLAG(std::string, cache_dtype, "float16",
           "float32, float16, bfloat16, fp8_e4m3 or fp8_e5m2");
 ABSL_FLAG(std::string, cache_layout, "vllm",
           "vllm (key [blocks, heads, head/x, block, x]) or nhd");
-ABSL_FLAG(
-    std::string, block_order, "descending",
-    "descending (vLLM v0: first tables start at the top id) or ascending");
+ABSL_FLAG(std::string, block_order, "descending",
+          "descending (vLLM v0: first tables start at the top id; freed blocks "
+          "reused LIFO), ascending (the same from id 0), or runs (each "
+          "sequence's blocks kept consecutive where they can be, which the "
+          "attention kernel reads faster)");
 ABSL_FLAG(int64_t, max_seq_len, 32768, "longest sequence in tokens");
 ABSL_FLAG(int64_t, max_batch_rows, 1024, "rows per batch, padding included");
 ABSL_FLAG(int64_t, max_batch_tokens, 65536, "query tokens per batch");
@@ -136,6 +138,8 @@ int main(int argc, char** argv) {
     opt.engine.block_order = kvstep::BlockOrder::kDescending;
   } else if (order == "ascending") {
     opt.engine.block_order = kvstep::BlockOrder::kAscending;
+  } else if (order == "runs") {
+    opt.engine.block_order = kvstep::BlockOrder::kRuns;
   } else {
     return Fail(absl::StrCat("--block_order: unknown order '", order, "'"));
   }

@@ -1,7 +1,11 @@
 #include "core/block_allocator.h"
 
+#include <map>
+#include <random>
+#include <set>
 #include <vector>
 
+#include "core/block_hash.h"
 #include "core/sequence_manager.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -46,6 +50,62 @@ TEST(BlockAllocator, FreedBlocksAreReusedLifoInTableOrder) {
   ASSERT_TRUE(a.Allocate(3, &t3).ok());
   EXPECT_THAT(t3, ElementsAre(9, 8, 7));  // the hot blocks, same order
   EXPECT_EQ(a.RefCount(9), 1);
+}
+
+TEST(BlockAllocator, RunsContinueTheirSequenceAndLeaveAGapAfterNewRuns) {
+  BlockAllocator a(20, BlockOrder::kRuns);
+  std::vector<BlockId> t1, t2, t3, t4;
+  ASSERT_TRUE(a.Allocate(3, &t1).ok());
+  EXPECT_THAT(t1, ElementsAre(0, 1, 2));
+  // The cursor skips kRunGap free blocks (3, 4) after a new run.
+  ASSERT_TRUE(a.Allocate(2, &t2).ok());
+  EXPECT_THAT(t2, ElementsAre(5, 6));
+  // Growing after block 2 takes 3, then 4; 5 is taken, so the rest comes
+  // from the cursor (9, after 7 and 8 were left to t2's run).
+  ASSERT_TRUE(a.Allocate(1, &t3, /*after=*/2).ok());
+  EXPECT_THAT(t3, ElementsAre(3));
+  ASSERT_TRUE(a.Allocate(2, &t4, /*after=*/3).ok());
+  EXPECT_THAT(t4, ElementsAre(4, 9));
+  EXPECT_EQ(a.num_free(), 12);
+  EXPECT_TRUE(a.IsOnFreeList(7));
+  EXPECT_FALSE(a.IsOnFreeList(9));
+  EXPECT_EQ(BlockOrderName(a.order()), "runs");
+}
+
+TEST(BlockAllocator, RunsReuseFreedBlocksWhenTheCursorComesRound) {
+  BlockAllocator a(8, BlockOrder::kRuns);
+  std::vector<BlockId> t1, t2, t3;
+  ASSERT_TRUE(a.Allocate(6, &t1).ok());         // 0..5; the gap 6, 7 wraps
+  ASSERT_TRUE(a.Release({t1.data(), 3}).ok());  // 0, 1, 2
+  ASSERT_TRUE(a.Allocate(4, &t2).ok());
+  EXPECT_THAT(t2, ElementsAre(0, 1, 2, 6));
+  EXPECT_EQ(a.num_free(), 1);
+  // All or nothing, as the stack orders.
+  absl::Status s = a.Allocate(2, &t3);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("1 blocks missing"));
+  EXPECT_TRUE(t3.empty());
+  EXPECT_EQ(a.num_free(), 1);
+  ASSERT_TRUE(a.Allocate(1, &t3, /*after=*/6).ok());
+  EXPECT_THAT(t3, ElementsAre(7));
+  EXPECT_EQ(a.num_free(), 0);
+}
+
+TEST(BlockAllocator, RunsEvictCachedBlocksWhenNoneAreFree) {
+  BlockAllocator a(3, BlockOrder::kRuns);
+  std::vector<BlockId> t, u;
+  ASSERT_TRUE(a.Allocate(3, &t).ok());
+  const std::vector<int64_t> tokens = {1, 2};
+  const BlockHash h = HashBlock(std::nullopt, tokens, "");
+  ASSERT_TRUE(a.Register(t[1], h, std::nullopt, tokens, ""));
+  ASSERT_TRUE(a.Release(t).ok());  // 0 and 2 free, 1 cached
+  EXPECT_EQ(a.num_free(), 2);
+  EXPECT_EQ(a.num_evictable(), 1);
+  ASSERT_TRUE(a.Allocate(3, &u).ok());
+  EXPECT_EQ(a.num_available(), 0);
+  EXPECT_FALSE(a.Lookup(h).has_value());  // evicted for the third block
+  EXPECT_EQ(a.Release(u).code(), absl::StatusCode::kOk);
+  EXPECT_EQ(a.num_free(), 3);
 }
 
 TEST(BlockAllocator, DoubleReleaseIsAnErrorAndChangesNothing) {
@@ -119,6 +179,71 @@ TEST_F(SequenceManagerTest, RejectsBadRequestsBeforeChangingAnything) {
             absl::StatusCode::kResourceExhausted);  // max_sequences 3
   EXPECT_EQ(seqs_.size(), 0);
   EXPECT_EQ(alloc_.num_free(), 20);
+}
+
+// Sequences arriving, growing a token at a time and finishing, as in a
+// server: the share of consecutive table entries that are adjacent ids.
+// LIFO reuse scatters the tables within a few thousand steps; runs keep
+// them together (BlockOrder::kRuns).
+double AdjacencyUnderChurn(BlockOrder order) {
+  constexpr int64_t kBs = 16, kRunning = 16;
+  BlockAllocator alloc(3000, order);
+  SequenceManager seqs(&alloc, /*host=*/nullptr, kBs, /*max_seq_len=*/4096,
+                       /*max_sequences=*/64);
+  std::mt19937_64 rng(7);
+  auto uni = [&](int64_t lo, int64_t hi) {
+    return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+  };
+  std::map<SeqId, std::pair<int64_t, int64_t>> live;  // tokens, to go
+  SeqId next_id = 1;
+  std::vector<SequenceGrowth> out;
+  for (int step = 0; step < 6000; ++step) {
+    while (static_cast<int64_t>(live.size()) < kRunning) {
+      const int64_t prompt = uni(256, 1536);
+      out.clear();
+      if (!seqs.Allocate({{next_id, prompt}}, &out).ok()) break;
+      live[next_id++] = {prompt, uni(32, 512)};
+    }
+    for (auto it = live.begin(); it != live.end();) {
+      auto& [tokens, left] = it->second;
+      out.clear();
+      if (seqs.Allocate({{it->first, tokens + 1}}, &out).ok()) {
+        ++tokens;
+        --left;
+      }
+      if (left == 0) {
+        int64_t freed = 0;
+        std::vector<BatchId> batches;
+        EXPECT_TRUE(seqs.Free(it->first, &freed, &batches));
+        it = live.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  int64_t pairs = 0, adjacent = 0;
+  std::set<BlockId> seen;
+  for (const auto& [id, state] : live) {
+    const std::vector<BlockId>& t = seqs.Find(id)->blocks;
+    for (size_t i = 0; i < t.size(); ++i) {
+      EXPECT_TRUE(seen.insert(t[i]).second) << "block " << t[i] << " twice";
+      if (i > 0) {
+        ++pairs;
+        adjacent += t[i] == t[i - 1] + 1;
+      }
+    }
+  }
+  EXPECT_EQ(alloc.num_free() + static_cast<int64_t>(seen.size()), 3000);
+  return pairs > 0 ? static_cast<double>(adjacent) / pairs : 0.0;
+}
+
+TEST(BlockOrderUnderChurn, RunsKeepTablesConsecutiveWhereLifoScattersThem) {
+  const double lifo = AdjacencyUnderChurn(BlockOrder::kDescending);
+  const double runs = AdjacencyUnderChurn(BlockOrder::kRuns);
+  EXPECT_LT(lifo, 0.2);
+  EXPECT_GT(runs, 0.9);
+  RecordProperty("lifo_adjacent_percent", static_cast<int>(100 * lifo));
+  RecordProperty("runs_adjacent_percent", static_cast<int>(100 * runs));
 }
 
 TEST_F(SequenceManagerTest, FreeReturnsBlocksAndReportsUnknown) {

@@ -23,8 +23,10 @@ using ::testing::HasSubstr;
 constexpr int64_t kBs = 4;
 
 std::unique_ptr<Engine> MakeEngine(int64_t num_blocks, int64_t host = 0,
-                                   double watermark = 0.01) {
+                                   double watermark = 0.01,
+                                   BlockOrder order = BlockOrder::kDescending) {
   EngineOptions o;
+  o.block_order = order;
   o.cache.num_blocks = num_blocks;
   o.cache.block_size = kBs;
   o.cache.num_layers = 2;
@@ -374,8 +376,10 @@ TEST(HostTier, ShortageChangesNothing) {
 // slots each step reports. After every operation the engine's invariants
 // are audited, every prefix hit must serve exactly the prompt's tokens, and
 // no write may land in a block another live sequence holds.
-TEST(BlockManagerModel, RandomOperationsAgainstAModel) {
-  auto e = MakeEngine(48, /*host=*/24);
+class BlockManagerModel : public ::testing::TestWithParam<BlockOrder> {};
+
+TEST_P(BlockManagerModel, RandomOperationsAgainstAModel) {
+  auto e = MakeEngine(48, /*host=*/24, 0.01, GetParam());
   std::mt19937_64 rng(3);
   auto uni = [&](int64_t lo, int64_t hi) {
     return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
@@ -584,6 +588,13 @@ TEST(BlockManagerModel, RandomOperationsAgainstAModel) {
   EXPECT_EQ(st.used_blocks, 0);
   EXPECT_EQ(st.host_free_blocks, 24);
 }
+
+INSTANTIATE_TEST_SUITE_P(Orders, BlockManagerModel,
+                         ::testing::Values(BlockOrder::kDescending,
+                                           BlockOrder::kRuns),
+                         [](const ::testing::TestParamInfo<BlockOrder>& i) {
+                           return std::string(BlockOrderName(i.param));
+                         });
 
 }  // namespace
 }  // namespace kvstep

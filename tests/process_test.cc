@@ -146,7 +146,7 @@ TEST(Restart, ClientNoticesAKilledAndRestartedServer) {
   const std::vector<std::string> cmd = {
       KVSTEP_SERVER,        "--listen=" + target, "--num_blocks=64",
       "--num_layers=1",     "--num_kv_heads=1",   "--head_size=16",
-      "--log_level=warning"};
+      "--block_order=runs", "--log_level=warning"};
   Children children;
   pid_t server = children.Add(Spawn(cmd));
   ClientOptions co;
@@ -155,6 +155,7 @@ TEST(Restart, ClientNoticesAKilledAndRestartedServer) {
   ASSERT_TRUE(client->WaitForReady(absl::Seconds(20)).ok());
   absl::StatusOr<v1::GetServerInfoResponse> first = client->GetServerInfo();
   ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->block_order(), "runs");
   ASSERT_TRUE(client->OpenSession().ok());
   std::vector<std::pair<uint64_t, int64_t>> seqs = {{1, 40}};
   ASSERT_TRUE(client->AllocateBlocks(seqs).ok());
