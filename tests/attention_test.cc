@@ -1357,19 +1357,28 @@ TEST(PagedAttention, VllmDecodeRowsOverEveryKvHead) {
 
 // Which 16-bit decode calls take rows over every KV head: logits of up to
 // 256 KB a row in any call, up to 2 MiB in calls of at most 8 rows
-// (AttentionParams::vllm_rows; timed in docs/attention.md, session 28).
-TEST(PagedAttention, VllmRowsPast256KbOnlyInCallsOfFewRows) {
+// (AttentionParams::vllm_rows; timed in docs/attention.md, session 28),
+// and any length where at least 3/4 of the neighbouring table entries
+// (of each row's first 65) are consecutive ids (session 30). Tables: each
+// row's own blocks in runs of `run` consecutive ids, the runs in reverse
+// order (run 4: 48 of 64 sampled pairs consecutive; run 3: 43), all in
+// order (run 0), or shuffled (run -1).
+TEST(PagedAttention, VllmRowsPast256KbOnlyInCallsOfFewRowsOrOfRuns) {
   const bool avx512 = IsaSupported(AttentionParams::Isa::kAvx512);
   struct Call {
-    int64_t heads, keys, batch;
+    int64_t heads, keys, batch, run;
     bool rows;
   };
   const Call calls[] = {
-      {8, 8192, 9, true},     // 256 KB exactly: any batch
-      {8, 8200, 8, true},     // past 256 KB, 8 rows
-      {8, 8200, 9, false},    // past 256 KB, 9 rows
-      {128, 4096, 1, true},   // 2 MiB exactly, one row
-      {128, 4100, 1, false},  // past 2 MiB
+      {8, 8192, 9, -1, true},     // 256 KB exactly: any batch
+      {8, 8200, 8, -1, true},     // past 256 KB, 8 rows
+      {8, 8200, 9, -1, false},    // past 256 KB, 9 rows
+      {128, 4096, 1, -1, true},   // 2 MiB exactly, one row
+      {128, 4100, 1, -1, false},  // past 2 MiB
+      {8, 8200, 9, 0, true},      // past 256 KB, 9 rows, consecutive
+      {128, 4100, 1, 0, true},    // past 2 MiB, consecutive
+      {8, 8200, 9, 4, true},      // 3/4 consecutive
+      {8, 8200, 9, 3, false},     // under 3/4
   };
   for (const Call& k : calls) {
     const int64_t bs = 16, width = (k.keys + bs - 1) / bs;
@@ -1381,7 +1390,21 @@ TEST(PagedAttention, VllmRowsPast256KbOnlyInCallsOfFewRows) {
     for (int64_t r = 0; r <= k.batch; ++r) rows.query_start.push_back(r);
     rows.seq_lens.assign(k.batch, k.keys);
     rows.block_tables.resize(width * k.batch);
-    std::iota(rows.block_tables.begin(), rows.block_tables.end(), 0);
+    std::mt19937_64 rng(5);
+    for (int64_t r = 0; r < k.batch; ++r) {
+      int64_t* t = &rows.block_tables[r * width];
+      std::iota(t, t + width, r * width);
+      if (k.run < 0) std::shuffle(t, t + width, rng);
+      if (k.run > 0) {
+        int64_t i = 0;
+        for (int64_t s = (width - 1) / k.run; s >= 0; --s) {
+          for (int64_t j = s * k.run; j < std::min(width, (s + 1) * k.run);
+               ++j) {
+            t[i++] = r * width + j;
+          }
+        }
+      }
+    }
     const Tensor q =
         *Tensor::Zeros(CpuDevice(), DType::kBFloat16, {k.batch, k.heads, 64});
     const int64_t before = internal::VllmRowPasses();
@@ -1390,7 +1413,8 @@ TEST(PagedAttention, VllmRowsPast256KbOnlyInCallsOfFewRows) {
         PagedAttention(*cache, 0, q, rows, AttentionParams(), nullptr, &out);
     ASSERT_TRUE(s.ok()) << s;
     EXPECT_EQ(internal::VllmRowPasses() > before, avx512 && k.rows)
-        << k.heads << " heads, " << k.keys << " keys, " << k.batch << " rows";
+        << k.heads << " heads, " << k.keys << " keys, " << k.batch
+        << " rows, run " << k.run;
   }
 }
 
