@@ -4,7 +4,8 @@
 //   [1 byte: which RPC (kvstep::Rpc, modulo kNumRpcs)][2 bytes little-endian:
 //   n][n bytes: the request proto]
 // and run against a fresh server-side stack (KvStepService over a small
-// Engine, no network). Whatever the bytes, no call may crash, and after every
+// Engine, no network), once with the default block order and once with
+// BlockOrder::kRuns. Whatever the bytes, no call may crash, and after every
 // call the Engine's invariants must hold (every block free or owned with
 // the right count, batch tables mirroring their sequences); a broken
 // invariant aborts, which libFuzzer reports as a crash.
@@ -18,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <string>
 
 #include "core/engine.h"
 #include "core/log.h"
@@ -27,8 +29,9 @@
 namespace kvstep {
 namespace {
 
-std::unique_ptr<Engine> NewEngine() {
+std::unique_ptr<Engine> NewEngine(BlockOrder order) {
   EngineOptions o;
+  o.block_order = order;
   o.cache.num_blocks = 64;
   o.cache.block_size = 4;
   o.cache.num_layers = 2;
@@ -66,16 +69,9 @@ void Call(KvStepService* service, Method method, const uint8_t* data,
   }
 }
 
-}  // namespace
-}  // namespace kvstep
-
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  using kvstep::KvStepService;
-  using kvstep::Rpc;
-  namespace v1 = kvstep::v1;
-  kvstep::SetLogLevel(kvstep::LogLevel::kError);
-  std::unique_ptr<kvstep::Engine> engine = kvstep::NewEngine();
-  kvstep::ServiceOptions options;
+void RunCalls(const uint8_t* data, size_t size, BlockOrder order) {
+  std::unique_ptr<Engine> engine = NewEngine(order);
+  ServiceOptions options;
   options.max_message_bytes = 1 << 20;
   KvStepService service(engine.get(), options);
   KvStepService* s = &service;
@@ -157,10 +153,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     data += n;
     size -= n;
     if (absl::Status st = engine->CheckInvariants(); !st.ok()) {
-      std::fprintf(stderr, "invariant broken after %s: %s\n",
-                   kvstep::RpcName(rpc), st.ToString().c_str());
+      std::fprintf(stderr, "invariant broken after %s (block order %s): %s\n",
+                   RpcName(rpc), std::string(BlockOrderName(order)).c_str(),
+                   st.ToString().c_str());
       std::abort();
     }
+  }
+}
+
+}  // namespace
+}  // namespace kvstep
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  kvstep::SetLogLevel(kvstep::LogLevel::kError);
+  for (kvstep::BlockOrder order :
+       {kvstep::BlockOrder::kDescending, kvstep::BlockOrder::kRuns}) {
+    kvstep::RunCalls(data, size, order);
   }
   return 0;
 }
