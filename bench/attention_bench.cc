@@ -419,9 +419,9 @@ struct Options {
   // first: what kvstep's default allocator (BlockOrder::kDescending, a
   // LIFO free list) hands a fresh pool's prefills, and a freed table's
   // blocks again to the next allocation of the same size. kRuns, row r
-  // holds w consecutive blocks from a random multiple of w: what
-  // BlockOrder::kRuns keeps a sequence's table as under traffic (96-100%
-  // of its consecutive entries adjacent; tests/block_allocator_test.cc).
+  // holds w consecutive blocks from a random multiple of w: a sequence's
+  // table as BlockOrder::kRuns keeps it, whole (under traffic 96-100% of
+  // its neighbouring entries are consecutive ids; block_allocator_test).
   enum class Tables { kRandom, kSorted, kSequential, kDescending, kRuns };
   Tables tables = Tables::kRandom;
   Tables vs_tables = Tables::kRandom;  // B's, with --vs=tables=...

@@ -40,11 +40,8 @@ BENCHMARK(BM_AllocatorAllocateRelease)->ArgsProduct({{1, 16, 256}, {0, 1}});
 void BM_NearlyFullPool(benchmark::State& state) {
   BlockAllocator a(kBlocks, OrderArg(state));
   const int64_t free = state.range(0);
-  std::vector<BlockId> all, keep, one;
+  std::vector<BlockId> all, one;
   (void)a.Allocate(kBlocks, &all);
-  for (BlockId b : all) {
-    if (b % (kBlocks / free) != 0) keep.push_back(b);
-  }
   for (BlockId b : all) {
     if (b % (kBlocks / free) == 0) (void)a.Release({&b, 1});
   }
