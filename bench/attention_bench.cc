@@ -28,6 +28,7 @@
 //       [--prefill=N] [--warm] [--cold=layers|flush]
 //       [--vs=isa=avx2|kernel=v1|kernel=v2|...]
 //       [--pool_mib=N] [--tables=random|sorted|sequential|descending|runs]
+//       [--run_blocks=L]
 //       [--max_gb=2]
 //       [--prefetch=auto|nta|t0|t1] [--flush_mib=N]
 //       [--bf16_keys=auto|dot|widen] [--amx=on|off] [--fp8_dot=on|off]
@@ -50,7 +51,9 @@
 // the same blocks highest first, as kvstep's default allocator
 // (BlockOrder::kDescending) hands them out; --tables=runs gives each row
 // w consecutive blocks at a random place of the pool (rows in no order),
-// as BlockOrder::kRuns keeps a sequence's blocks.
+// as BlockOrder::kRuns keeps a sequence's blocks; with --run_blocks=L,
+// runs of L blocks each at a random place instead (L - 1 of every L
+// neighbouring entries consecutive).
 //
 // --touch_min_mib and --touch_min_blocks set AttentionParams' slice touch
 // gates (by default this CPU's; 0 and 0 touch every item, a huge
@@ -424,6 +427,8 @@ struct Options {
   // its neighbouring entries are consecutive ids; block_allocator_test).
   enum class Tables { kRandom, kSorted, kSequential, kDescending, kRuns };
   Tables tables = Tables::kRandom;
+  // kRuns: blocks a run (--run_blocks=; 0: a row's whole table).
+  int64_t run_blocks = 0;
   Tables vs_tables = Tables::kRandom;  // B's, with --vs=tables=...
   // Cold: each call starts with the layer's K/V out of the caches, as in a
   // served model, where the other layers' K/V pass through L3 between two
@@ -587,12 +592,23 @@ Setup MakeSetup(DType dtype, int64_t ctx, int64_t batch, const Options& o) {
                       kind == Options::Tables::kDescending;
     if (!runs) std::shuffle(perm.begin(), perm.end(), std::mt19937_64(1));
     if (kind == Options::Tables::kRuns) {
-      std::vector<int64_t> slot(c.num_blocks / per_row);
+      // Runs of `run` blocks at run-aligned places, in random order; each
+      // row's runs follow one another (the last one cut short if `run`
+      // does not divide it).
+      const int64_t run = o.run_blocks > 0 ? o.run_blocks : per_row;
+      const int64_t runs_a_row = (per_row + run - 1) / run;
+      std::vector<int64_t> slot(c.num_blocks / run);
       std::iota(slot.begin(), slot.end(), 0);
       std::shuffle(slot.begin(), slot.end(), std::mt19937_64(1));
+      if (static_cast<int64_t>(slot.size()) < runs_a_row * batch) {
+        std::fprintf(stderr, "--run_blocks=%ld: the pool is too small\n",
+                     static_cast<long>(run));
+        std::exit(2);
+      }
       for (int64_t r = 0; r < batch; ++r) {
         for (int64_t k = 0; k < per_row; ++k) {
-          perm[r * per_row + k] = slot[r] * per_row + k;
+          perm[r * per_row + k] =
+              slot[r * runs_a_row + k / run] * run + k % run;
         }
       }
     }
@@ -837,6 +853,8 @@ int main(int argc, char** argv) {
       o.layout = kvstep::CacheLayout::kNhd;
     } else if (a == "--layout=vllm") {
       o.layout = kvstep::CacheLayout::kVllm;
+    } else if (const char* v = value("--run_blocks=")) {
+      o.run_blocks = std::max<int64_t>(0, std::atoll(v));
     } else if (const char* v = value("--pool_mib=")) {
       o.pool_mib = std::stoll(v);
       if (o.pool_mib < 0) {

@@ -1358,27 +1358,29 @@ TEST(PagedAttention, VllmDecodeRowsOverEveryKvHead) {
 // Which 16-bit decode calls take rows over every KV head: logits of up to
 // 256 KB a row in any call, up to 2 MiB in calls of at most 8 rows
 // (AttentionParams::vllm_rows; timed in docs/attention.md, session 28),
-// and any length where at least 3/4 of the neighbouring table entries
+// and any length where at least half of the neighbouring table entries
 // (of each row's first 65) are consecutive ids (session 30). Tables: each
-// row's own blocks in runs of `run` consecutive ids, the runs in reverse
-// order (run 4: 48 of 64 sampled pairs consecutive; run 3: 43), all in
-// order (run 0), or shuffled (run -1).
+// row's own blocks cut into runs of consecutive ids whose lengths cycle
+// through `runs`, the runs in reverse order (runs {2}: 32 of 64 sampled
+// pairs consecutive; {2, 3, 1}: 31), all in order ({0}), or shuffled
+// ({}).
 TEST(PagedAttention, VllmRowsPast256KbOnlyInCallsOfFewRowsOrOfRuns) {
   const bool avx512 = IsaSupported(AttentionParams::Isa::kAvx512);
   struct Call {
-    int64_t heads, keys, batch, run;
+    int64_t heads, keys, batch;
+    std::vector<int64_t> runs;
     bool rows;
   };
   const Call calls[] = {
-      {8, 8192, 9, -1, true},     // 256 KB exactly: any batch
-      {8, 8200, 8, -1, true},     // past 256 KB, 8 rows
-      {8, 8200, 9, -1, false},    // past 256 KB, 9 rows
-      {128, 4096, 1, -1, true},   // 2 MiB exactly, one row
-      {128, 4100, 1, -1, false},  // past 2 MiB
-      {8, 8200, 9, 0, true},      // past 256 KB, 9 rows, consecutive
-      {128, 4100, 1, 0, true},    // past 2 MiB, consecutive
-      {8, 8200, 9, 4, true},      // 3/4 consecutive
-      {8, 8200, 9, 3, false},     // under 3/4
+      {8, 8192, 9, {}, true},          // 256 KB exactly: any batch
+      {8, 8200, 8, {}, true},          // past 256 KB, 8 rows
+      {8, 8200, 9, {}, false},         // past 256 KB, 9 rows
+      {128, 4096, 1, {}, true},        // 2 MiB exactly, one row
+      {128, 4100, 1, {}, false},       // past 2 MiB
+      {8, 8200, 9, {0}, true},         // past 256 KB, 9 rows, in order
+      {128, 4100, 1, {0}, true},       // past 2 MiB, in order
+      {8, 8200, 9, {2}, true},         // half consecutive
+      {8, 8200, 9, {2, 3, 1}, false},  // just under half
   };
   for (const Call& k : calls) {
     const int64_t bs = 16, width = (k.keys + bs - 1) / bs;
@@ -1394,15 +1396,20 @@ TEST(PagedAttention, VllmRowsPast256KbOnlyInCallsOfFewRowsOrOfRuns) {
     for (int64_t r = 0; r < k.batch; ++r) {
       int64_t* t = &rows.block_tables[r * width];
       std::iota(t, t + width, r * width);
-      if (k.run < 0) std::shuffle(t, t + width, rng);
-      if (k.run > 0) {
-        int64_t i = 0;
-        for (int64_t s = (width - 1) / k.run; s >= 0; --s) {
-          for (int64_t j = s * k.run; j < std::min(width, (s + 1) * k.run);
-               ++j) {
-            t[i++] = r * width + j;
-          }
+      if (k.runs.empty()) std::shuffle(t, t + width, rng);
+      if (k.runs.empty() || k.runs[0] == 0) continue;
+      std::vector<std::vector<int64_t>> cut;  // runs in ascending order
+      for (int64_t j = 0, n = 0; j < width; ++n) {
+        const int64_t len = k.runs[static_cast<size_t>(n) % k.runs.size()];
+        cut.emplace_back();
+        for (int64_t e = j; e < std::min(width, j + len); ++e) {
+          cut.back().push_back(r * width + e);
         }
+        j += len;
+      }
+      int64_t i = 0;
+      for (auto run = cut.rbegin(); run != cut.rend(); ++run) {
+        for (int64_t id : *run) t[i++] = id;
       }
     }
     const Tensor q =
@@ -1414,7 +1421,7 @@ TEST(PagedAttention, VllmRowsPast256KbOnlyInCallsOfFewRowsOrOfRuns) {
     ASSERT_TRUE(s.ok()) << s;
     EXPECT_EQ(internal::VllmRowPasses() > before, avx512 && k.rows)
         << k.heads << " heads, " << k.keys << " keys, " << k.batch
-        << " rows, run " << k.run;
+        << " rows, runs of " << (k.runs.empty() ? -1 : k.runs[0]);
   }
 }
 
