@@ -965,10 +965,14 @@ int main(int argc, char** argv) {
   }
   std::printf(
       "layout %s, %s, %s; 32 query heads over %ld KV heads, head 128, block "
-      "16, %s block tables; ",
+      "16, %s block tables",
       o.layout == kvstep::CacheLayout::kVllm ? "vllm" : "nhd",
       kvstep::Describe(o.params).c_str(), o.polls.Describe().c_str(),
       static_cast<long>(o.kv_heads), kvstep::TablesName(o.tables));
+  if (o.run_blocks > 0) {
+    std::printf(" (runs of %ld blocks)", static_cast<long>(o.run_blocks));
+  }
+  std::printf("; ");
   if (o.CyclesLayers()) {
     std::printf(
         "cold caches as in a decode step (the case's K/V in as many layers as "
