@@ -588,9 +588,10 @@ Setup MakeSetup(DType dtype, int64_t ctx, int64_t batch, const Options& o) {
   auto tables = [&](Options::Tables kind) {
     std::vector<int64_t> perm(c.num_blocks);
     std::iota(perm.begin(), perm.end(), 0);
-    const bool runs = kind == Options::Tables::kSequential ||
-                      kind == Options::Tables::kDescending;
-    if (!runs) std::shuffle(perm.begin(), perm.end(), std::mt19937_64(1));
+    // kRuns replaces the draw with its own below.
+    const bool drawn =
+        kind == Options::Tables::kRandom || kind == Options::Tables::kSorted;
+    if (drawn) std::shuffle(perm.begin(), perm.end(), std::mt19937_64(1));
     if (kind == Options::Tables::kRuns) {
       // Runs of `run` blocks at run-aligned places, in random order; each
       // row's runs follow one another (the last one cut short if `run`
@@ -813,8 +814,7 @@ AbResult MeasureAb(DType dtype, int64_t ctx, int64_t batch, int threads,
     best_b = std::min(best_b, tb);
     ratios.push_back(tb / ta2);
   }
-  std::sort(ratios.begin(), ratios.end());
-  return {best_a * 1e6, best_b * 1e6, ratios[ratios.size() / 2],
+  return {best_a * 1e6, best_b * 1e6, Median(ratios),
           static_cast<int>(ratios.size())};
 }
 
