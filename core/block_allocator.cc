@@ -103,7 +103,7 @@ void BlockAllocator::Unregister(BlockId id, bool emit) {
 }
 
 absl::Status BlockAllocator::Allocate(int64_t n, std::vector<BlockId>* out,
-                                      BlockId after) {
+                                      BlockId after, int64_t table_blocks) {
   if (n < 0) return absl::InvalidArgumentError("negative block count");
   if (n > num_available()) {
     return absl::ResourceExhaustedError(
@@ -138,10 +138,11 @@ absl::Status BlockAllocator::Allocate(int64_t n, std::vector<BlockId>* out,
     out->push_back(id);
   }
   if (fresh_run) {
-    // The cursor moves past the run's end and kRunGap free blocks more,
+    // The cursor moves past the run's end and RunGap free blocks more,
     // left to the run's sequence to grow into.
     cursor_ = (out->back() + 1) % num_blocks();
-    for (int64_t k = 0; k < kRunGap; ++k) {
+    const int64_t gap = RunGap(table_blocks);
+    for (int64_t k = 0; k < gap; ++k) {
       const BlockId gap = NextRunsFree(cursor_);
       if (gap == kNone) break;
       cursor_ = (gap + 1) % num_blocks();

@@ -20,6 +20,7 @@
 #ifndef KVSTEP_CORE_BLOCK_ALLOCATOR_H_
 #define KVSTEP_CORE_BLOCK_ALLOCATOR_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -44,15 +45,16 @@ enum class BlockOrder {
   kAscending,
   // No stack: each allocation continues its sequence's run (the blocks
   // after `after`, while free) and takes the rest next-fit, in ascending
-  // ids from a cursor that moves on through the pool, leaving a few free
-  // blocks after each new run for its sequence to grow into. Freed blocks
-  // wait for the cursor to come round. Under churn (sequences arriving,
-  // growing a token at a time, finishing) a LIFO stack hands out tables
-  // as random as any: 0-3% of consecutive entries adjacent, where runs
-  // keep 96-100% with a third or more of the pool free and 63% in a pool
-  // run dry (tests/block_allocator_test.cc; a simulation in
-  // docs/attention.md, session 30). Consecutive blocks take the attention
-  // kernel 0.89-0.95x the time of random ones (same place).
+  // ids from a cursor that moves on through the pool, leaving free blocks
+  // after each new run for its sequence to grow into (about as many as its
+  // table holds; BlockAllocator::RunGap). Freed blocks wait for the cursor
+  // to come round. Under churn (sequences arriving, growing a token at a
+  // time, finishing) a LIFO stack hands out tables as random as any: 0-3%
+  // of consecutive entries adjacent, where runs keep 98-100% with a third
+  // or more of the pool free, 83% at a quarter free and 67% in a pool run
+  // dry (tests/block_allocator_test.cc; simulations in docs/attention.md,
+  // sessions 30 and 31). Consecutive blocks take the attention kernel
+  // 0.89-0.95x the time of random ones (same place).
   kRuns,
 };
 
@@ -88,9 +90,11 @@ class BlockAllocator {
   // than `n` are available, takes nothing and returns RESOURCE_EXHAUSTED
   // saying how many were missing. `after`: the block the new ones follow
   // in their sequence's table (kNone: none), which kRuns continues from;
-  // the stack orders ignore it.
+  // `table_blocks`: the length of that table with the new blocks in, which
+  // sizes the gap kRuns leaves after a new run (RunGap); the stack orders
+  // ignore both.
   absl::Status Allocate(int64_t n, std::vector<BlockId>* out,
-                        BlockId after = kNone);
+                        BlockId after = kNone, int64_t table_blocks = 0);
 
   // Drops one reference to each block. A block whose count reaches zero
   // becomes cached (if it has a hash) or free. Blocks are processed in
@@ -123,11 +127,27 @@ class BlockAllocator {
   void ResetPrefixCache();
 
   // Free blocks kRuns's cursor skips after each new run, so that the
-  // run's sequence can grow into them before the cursor comes round. In
-  // the simulation (kRuns) 2 kept 97-98% of entries adjacent with a third
-  // of the pool free (4 and 8: 96-98%, none: 74-76%) and 63% in a pool
-  // run dry (4: 59%, 8: 56%, none: 42%).
+  // run's sequence can grow into them before the cursor comes round: as
+  // many as the sequence's table then holds (a table growing a block at a
+  // time starts a new run each time it doubles, as a vector reallocates),
+  // at least kRunGap, at most kMaxRunGap, and past kRunGap no more than
+  // 1/kRunGapFreeShare of the free blocks, so that a pool running dry does
+  // not hand its last free blocks out as gaps the cursor then has to come
+  // round for (a gap of up to 32 there: 56%, below). In simulations
+  // (docs/attention.md, session 31; live tables' share of consecutive entries):
+  // with prompts of 256-3072 tokens and 32-1024 more decoded, a fixed gap of 2
+  // kept 95-96% of entries consecutive with 59-67% of the pool free, 92% with a
+  // third free and 67% at a tenth free; decoding 512-4096 tokens after prompts
+  // of 64-512 it kept 73% with two thirds free and 57% at a quarter free, and
+  // 78-88% for rows of 2k-16k tokens. This gap: 98-100%, 98%, 67%; 98%,
+  // 83%; 98-99%.
   static constexpr int64_t kRunGap = 2;
+  static constexpr int64_t kMaxRunGap = 32;
+  static constexpr int64_t kRunGapFreeShare = 128;
+  int64_t RunGap(int64_t table_blocks) const {
+    const int64_t room = std::max(kRunGap, num_free_runs_ / kRunGapFreeShare);
+    return std::clamp(std::min(table_blocks, room), kRunGap, kMaxRunGap);
+  }
 
   int32_t RefCount(BlockId id) const { return ref_counts_[id]; }
   bool IsValid(int64_t id) const { return id >= 0 && id < num_blocks(); }

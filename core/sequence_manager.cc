@@ -202,7 +202,8 @@ absl::Status SequenceManager::Allocate(
     fresh.clear();
     if (absl::Status st = device_->Allocate(
             static_cast<int64_t>(item.cow_index.size()) + item.grow, &fresh,
-            keep > 0 ? kept[keep - 1] : BlockAllocator::kNone);
+            keep > 0 ? kept[keep - 1] : BlockAllocator::kNone,
+            static_cast<int64_t>(kept.size()) + item.grow);
         !st.ok()) {
       return st;  // unreachable: availability was checked above
     }

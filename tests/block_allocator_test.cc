@@ -181,11 +181,16 @@ TEST_F(SequenceManagerTest, RejectsBadRequestsBeforeChangingAnything) {
   EXPECT_EQ(alloc_.num_free(), 20);
 }
 
-// Sequences arriving, growing a token at a time and finishing, as in a
-// server: the share of consecutive table entries that are adjacent ids.
-// LIFO reuse scatters the tables within a few thousand steps; runs keep
-// them together (BlockOrder::kRuns).
-double AdjacencyUnderChurn(BlockOrder order) {
+// Sequences arriving with a prompt of `prompt` tokens, growing a token at
+// a time for `decode` more and finishing, as in a server: the share of
+// consecutive table entries that are adjacent ids. LIFO reuse scatters
+// the tables within a few thousand steps; runs keep them together
+// (BlockOrder::kRuns).
+struct Lengths {
+  int64_t lo, hi;
+};
+double AdjacencyUnderChurn(BlockOrder order, Lengths prompt = {256, 1536},
+                           Lengths decode = {32, 512}) {
   constexpr int64_t kBs = 16, kRunning = 16;
   BlockAllocator alloc(3000, order);
   SequenceManager seqs(&alloc, /*host=*/nullptr, kBs, /*max_seq_len=*/4096,
@@ -199,10 +204,10 @@ double AdjacencyUnderChurn(BlockOrder order) {
   std::vector<SequenceGrowth> out;
   for (int step = 0; step < 6000; ++step) {
     while (static_cast<int64_t>(live.size()) < kRunning) {
-      const int64_t prompt = uni(256, 1536);
+      const int64_t tokens = uni(prompt.lo, prompt.hi);
       out.clear();
-      if (!seqs.Allocate({{next_id, prompt}}, &out).ok()) break;
-      live[next_id++] = {prompt, uni(32, 512)};
+      if (!seqs.Allocate({{next_id, tokens}}, &out).ok()) break;
+      live[next_id++] = {tokens, uni(decode.lo, decode.hi)};
     }
     for (auto it = live.begin(); it != live.end();) {
       auto& [tokens, left] = it->second;
@@ -244,6 +249,55 @@ TEST(BlockOrderUnderChurn, RunsKeepTablesConsecutiveWhereLifoScattersThem) {
   EXPECT_GT(runs, 0.9);
   RecordProperty("lifo_adjacent_percent", static_cast<int>(100 * lifo));
   RecordProperty("runs_adjacent_percent", static_cast<int>(100 * runs));
+}
+
+// Long decodes after short prompts: a run's sequence outgrows a fixed gap
+// of kRunGap blocks again and again (72% of entries adjacent with it);
+// the gap that grows with the table keeps 94%.
+TEST(BlockOrderUnderChurn, RunsKeepLongDecodesConsecutive) {
+  const Lengths prompt = {16, 128}, decode = {512, 2048};
+  const double lifo =
+      AdjacencyUnderChurn(BlockOrder::kDescending, prompt, decode);
+  const double runs = AdjacencyUnderChurn(BlockOrder::kRuns, prompt, decode);
+  EXPECT_LT(lifo, 0.2);
+  EXPECT_GT(runs, 0.9);
+  RecordProperty("lifo_adjacent_percent", static_cast<int>(100 * lifo));
+  RecordProperty("runs_adjacent_percent", static_cast<int>(100 * runs));
+}
+
+TEST(BlockAllocator, RunsGapGrowsWithTheTableWithinTheFreeBlocksShare) {
+  // 10,000 free blocks: up to 10,000 / kRunGapFreeShare = 78 may be a gap.
+  BlockAllocator a(10000, BlockOrder::kRuns);
+  std::vector<BlockId> t;
+  ASSERT_TRUE(a.Allocate(4, &t, BlockAllocator::kNone,
+                         /*table_blocks=*/10)
+                  .ok());
+  EXPECT_THAT(t, ElementsAre(0, 1, 2, 3));
+  t.clear();
+  ASSERT_TRUE(a.Allocate(1, &t, BlockAllocator::kNone, 100).ok());
+  EXPECT_THAT(t, ElementsAre(14));  // after the 10 blocks left to 0..3
+  t.clear();
+  ASSERT_TRUE(a.Allocate(1, &t).ok());  // table_blocks 0: kRunGap
+  EXPECT_THAT(t, ElementsAre(15 + BlockAllocator::kMaxRunGap));
+  t.clear();
+  ASSERT_TRUE(a.Allocate(1, &t).ok());
+  EXPECT_THAT(t, ElementsAre(16 + BlockAllocator::kMaxRunGap +
+                             BlockAllocator::kRunGap));
+  // The sequence of block 3 grows into its gap, then past it.
+  t.clear();
+  ASSERT_TRUE(a.Allocate(11, &t, /*after=*/3, 21).ok());
+  EXPECT_EQ(t.front(), 4);
+  EXPECT_EQ(t[9], 13);
+  EXPECT_EQ(t.back(),
+            17 + BlockAllocator::kMaxRunGap + 2 * BlockAllocator::kRunGap);
+
+  // 200 free blocks: a gap of kRunGap whatever the table holds.
+  BlockAllocator small(200, BlockOrder::kRuns);
+  t.clear();
+  ASSERT_TRUE(small.Allocate(4, &t, BlockAllocator::kNone, 50).ok());
+  t.clear();
+  ASSERT_TRUE(small.Allocate(1, &t).ok());
+  EXPECT_THAT(t, ElementsAre(4 + BlockAllocator::kRunGap));
 }
 
 TEST_F(SequenceManagerTest, FreeReturnsBlocksAndReportsUnknown) {
