@@ -27,7 +27,8 @@
 //       [--kernel=v1|v2] [--isa=avx512|avx2|portable] [--kv_heads=8]
 //       [--prefill=N] [--warm] [--cold=layers|flush]
 //       [--vs=isa=avx2|kernel=v1|kernel=v2|...]
-//       [--pool_mib=N] [--tables=random|sorted|sequential|descending|runs]
+//       [--pool_mib=N]
+//       [--tables=random|sorted|sequential|descending|runs|churn|churn_runs]
 //       [--run_blocks=L]
 //       [--max_gb=2]
 //       [--prefetch=auto|nta|t0|t1] [--flush_mib=N]
@@ -53,7 +54,11 @@
 // w consecutive blocks at a random place of the pool (rows in no order),
 // as BlockOrder::kRuns keeps a sequence's blocks; with --run_blocks=L,
 // runs of L blocks each at a random place instead (L - 1 of every L
-// neighbouring entries consecutive).
+// neighbouring entries consecutive). --tables=churn and churn_runs take
+// the tables from kvstep's own block manager after traffic (ChurnTables),
+// in its default order and in --block_order=runs; a "#" line gives each
+// case's share of consecutive entries, and the pool is a quarter larger
+// than the batch's blocks (--max_gb counts the batch's alone).
 //
 // --touch_min_mib and --touch_min_blocks set AttentionParams' slice touch
 // gates (by default this CPU's; 0 and 0 touch every item, a huge
@@ -92,6 +97,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -105,8 +111,10 @@
 #endif
 
 #include "core/attention.h"
+#include "core/block_allocator.h"
 #include "core/device.h"
 #include "core/float_convert.h"
+#include "core/sequence_manager.h"
 
 namespace kvstep {
 namespace {
@@ -425,7 +433,24 @@ struct Options {
   // holds w consecutive blocks from a random multiple of w: a sequence's
   // table as BlockOrder::kRuns keeps it, whole (under traffic 96-100% of
   // its neighbouring entries are consecutive ids; block_allocator_test).
-  enum class Tables { kRandom, kSorted, kSequential, kDescending, kRuns };
+  // kChurn and kChurnRuns: the tables kvstep's own block manager leaves
+  // under traffic, in its default order (a LIFO stack) and in
+  // BlockOrder::kRuns (ChurnTables); the pool is then a quarter larger
+  // than the batch's blocks (or --pool_mib), room for the other sequences.
+  enum class Tables {
+    kRandom,
+    kSorted,
+    kSequential,
+    kDescending,
+    kRuns,
+    kChurn,
+    kChurnRuns
+  };
+  bool Churns() const {
+    return tables == Tables::kChurn || tables == Tables::kChurnRuns ||
+           (ab &&
+            (vs_tables == Tables::kChurn || vs_tables == Tables::kChurnRuns));
+  }
   Tables tables = Tables::kRandom;
   // kRuns: blocks a run (--run_blocks=; 0: a row's whole table).
   int64_t run_blocks = 0;
@@ -558,6 +583,112 @@ class CacheFlusher {
   std::atomic<uint64_t> sink_{0};
 };
 
+const char* TablesName(Options::Tables t);
+
+// Block tables as kvstep's block manager leaves them under traffic, from a
+// SequenceManager over the case's pool of `num_blocks` blocks of 16 in
+// `order`. First a history: sequences arrive with a prompt of 1..ctx
+// tokens (admitted when it fits), grow a token a step for 1..ctx/2 tokens
+// more and finish, at most batch * 3 / 2 (and at least 4) at a time; one
+// that finds no block for its next token is preempted (freed whole, as
+// vLLM's recompute preemption does). When the history has allocated three
+// times the pool's tokens, the batch's own sequences arrive among the
+// history's last ones (which are no longer replaced), prompts of 1..ctx
+// tokens admitted as they fit, and grow a token a step to ctx; they are
+// never preempted, and since the pool holds batch * ceil(ctx / 16) blocks
+// at least, all of them get there. Their tables are the rows.
+// `*adjacent` gets the share of the rows' neighbouring entries that are
+// consecutive ids.
+std::vector<int64_t> ChurnTables(int64_t num_blocks, int64_t batch, int64_t ctx,
+                                 BlockOrder order, double* adjacent) {
+  constexpr int64_t kBs = 16;
+  BlockAllocator alloc(num_blocks, order);
+  const int64_t history = std::max<int64_t>(4, batch * 3 / 2);
+  SequenceManager seqs(&alloc, /*host=*/nullptr, kBs,
+                       /*max_seq_len=*/ctx + ctx / 2 + 1,
+                       /*max_sequences=*/history + batch);
+  std::mt19937_64 rng(1);
+  auto uni = [&](int64_t lo, int64_t hi) {
+    return std::uniform_int_distribution<int64_t>(lo, std::max(lo, hi))(rng);
+  };
+  std::vector<SequenceGrowth> out;
+  // As a server's step would, marks the tokens as planned (num_tokens),
+  // which keeps Allocate's copy-on-write scan to the new ones.
+  auto grow = [&](SeqId id, int64_t tokens) {
+    out.clear();
+    if (!seqs.Allocate({{id, tokens}}, &out).ok()) return false;
+    seqs.Find(id)->num_tokens = tokens;
+    return true;
+  };
+  auto drop = [&](SeqId id) {
+    int64_t freed = 0;
+    std::vector<BatchId> batches;
+    seqs.Free(id, &freed, &batches);
+  };
+  struct Live {
+    int64_t tokens, target;
+    bool row;  // one of the batch's
+  };
+  std::map<SeqId, Live> live;  // a step visits them in order of arrival
+  std::vector<SeqId> rows;
+  SeqId next = 1;
+  int64_t allocated = 0;  // tokens, over the history
+  const int64_t turnover = 3 * num_blocks * kBs;
+  int64_t rows_at_ctx = 0;
+  for (int64_t step = 0; rows_at_ctx < batch; ++step) {
+    if (step > 100 * (turnover + ctx)) {
+      std::fprintf(stderr, "--tables=churn: the batch never got its blocks\n");
+      std::exit(2);
+    }
+    const bool rows_now = allocated >= turnover;
+    while (rows_now ? static_cast<int64_t>(rows.size()) < batch
+                    : static_cast<int64_t>(live.size()) < history) {
+      const int64_t prompt = uni(1, ctx);
+      if (!grow(next, prompt)) break;
+      live[next] = {prompt, rows_now ? ctx : prompt + uni(1, ctx / 2),
+                    rows_now};
+      if (rows_now) rows.push_back(next);
+      if (rows_now && prompt == ctx) ++rows_at_ctx;
+      allocated += prompt;
+      ++next;
+    }
+    for (auto it = live.begin(); it != live.end();) {
+      Live& s = it->second;
+      if (s.tokens < s.target) {
+        if (grow(it->first, s.tokens + 1)) {
+          ++s.tokens;
+          ++allocated;
+          if (s.row && s.tokens == ctx) ++rows_at_ctx;
+        } else if (!s.row) {
+          drop(it->first);
+          it = live.erase(it);
+          continue;
+        }
+      }
+      if (!s.row && s.tokens == s.target) {
+        drop(it->first);
+        it = live.erase(it);
+        continue;
+      }
+      ++it;
+    }
+  }
+  std::vector<int64_t> tables;
+  int64_t pairs = 0, consecutive = 0;
+  for (SeqId id : rows) {
+    const std::vector<BlockId>& t = seqs.Find(id)->blocks;
+    for (size_t i = 0; i < t.size(); ++i) {
+      tables.push_back(t[i]);
+      if (i > 0) {
+        ++pairs;
+        consecutive += t[i] == t[i - 1] + 1;
+      }
+    }
+  }
+  *adjacent = pairs > 0 ? static_cast<double>(consecutive) / pairs : 0.0;
+  return tables;
+}
+
 Setup MakeSetup(DType dtype, int64_t ctx, int64_t batch, const Options& o) {
   CacheConfig c;
   c.block_size = 16;
@@ -568,7 +699,8 @@ Setup MakeSetup(DType dtype, int64_t ctx, int64_t batch, const Options& o) {
   const int64_t per_row = (ctx + 15) / 16;
   const int64_t block_bytes =
       2 * c.block_size * c.num_kv_heads * c.head_size * DTypeSize(dtype);
-  c.num_blocks = std::max(per_row * batch, (o.pool_mib << 20) / block_bytes);
+  c.num_blocks = std::max(per_row * batch * (o.Churns() ? 5 : 4) / 4,
+                          (o.pool_mib << 20) / block_bytes);
   const int64_t layer_bytes = c.num_blocks * block_bytes;
   c.num_layers =
       o.CyclesLayers()
@@ -586,6 +718,22 @@ Setup MakeSetup(DType dtype, int64_t ctx, int64_t batch, const Options& o) {
   rows.width = per_row;
   rows.num_real = batch;
   auto tables = [&](Options::Tables kind) {
+    if (kind == Options::Tables::kChurn ||
+        kind == Options::Tables::kChurnRuns) {
+      double adjacent = 0;
+      std::vector<int64_t> t =
+          ChurnTables(c.num_blocks, batch, ctx,
+                      kind == Options::Tables::kChurn ? BlockOrder::kDescending
+                                                      : BlockOrder::kRuns,
+                      &adjacent);
+      std::printf(
+          "# %s tables, %s context %ld batch %ld: %.0f%% of "
+          "neighbouring entries consecutive (pool of %ld blocks)\n",
+          TablesName(kind), std::string(DTypeName(dtype)).c_str(),
+          static_cast<long>(ctx), static_cast<long>(batch), 100 * adjacent,
+          static_cast<long>(c.num_blocks));
+      return t;
+    }
     std::vector<int64_t> perm(c.num_blocks);
     std::iota(perm.begin(), perm.end(), 0);
     // kRuns replaces the draw with its own below.
@@ -737,7 +885,8 @@ bool ParsePollFlag(const std::string& a, Options::Polls* polls) {
   return false;
 }
 
-// --tables=random|sorted|sequential|descending|runs into *t; false for any
+// --tables=random|sorted|sequential|descending|runs|churn|churn_runs into
+// *t; false for any
 // other flag.
 bool ParseTables(const std::string& a, Options::Tables* t) {
   using T = Options::Tables;
@@ -746,7 +895,9 @@ bool ParseTables(const std::string& a, Options::Tables* t) {
         {"--tables=sorted", T::kSorted},
         {"--tables=sequential", T::kSequential},
         {"--tables=descending", T::kDescending},
-        {"--tables=runs", T::kRuns}}) {
+        {"--tables=runs", T::kRuns},
+        {"--tables=churn", T::kChurn},
+        {"--tables=churn_runs", T::kChurnRuns}}) {
     if (a == name) {
       *t = kind;
       return true;
@@ -765,6 +916,10 @@ const char* TablesName(Options::Tables t) {
       return "descending";
     case Options::Tables::kRuns:
       return "runs";
+    case Options::Tables::kChurn:
+      return "churn (LIFO)";
+    case Options::Tables::kChurnRuns:
+      return "churn (runs)";
     case Options::Tables::kRandom:
       break;
   }
