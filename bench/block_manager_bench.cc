@@ -55,6 +55,28 @@ void BM_NearlyFullPool(benchmark::State& state) {
 }
 BENCHMARK(BM_NearlyFullPool)->ArgsProduct({{1, 64, 4096}, {0, 1}});
 
+// Allocations of `n` blocks (a prompt) in a pool whose every other block
+// is free: BlockOrder::kRuns searches kExtentSearchWords words of its
+// bitmap for room for min(n, kRunExtent) blocks in a row, finds none, and
+// takes them one by one from the cursor: its worst case for a prompt.
+void BM_ScatteredPool(benchmark::State& state) {
+  BlockAllocator a(kBlocks, OrderArg(state));
+  const int64_t n = state.range(0);
+  std::vector<BlockId> all, ids;
+  (void)a.Allocate(kBlocks, &all);
+  for (BlockId b : all) {
+    if (b % 2 == 0) (void)a.Release({&b, 1});
+  }
+  for (auto _ : state) {
+    ids.clear();
+    (void)a.Allocate(n, &ids);
+    (void)a.Release(ids);
+  }
+  if (a.num_free() != kBlocks / 2) state.SkipWithError("lost a block");
+  state.SetItemsProcessed(state.iterations() * n * 2);
+}
+BENCHMARK(BM_ScatteredPool)->ArgsProduct({{2, 16, 256}, {0, 1}});
+
 void BM_SequenceAllocateFree(benchmark::State& state) {
   BlockAllocator a(kBlocks, OrderArg(state));
   SequenceManager m(&a, nullptr, kBs, 1 << 20, 1 << 20);

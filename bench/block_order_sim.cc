@@ -14,9 +14,10 @@
 // preempted (freed whole). Over the second half of the steps, every 500
 // steps, it takes the live tables' share of neighbouring entries that are
 // consecutive ids, and the pool's fill, under the default order (LIFO),
-// under kRuns with the fixed gap of 2 blocks session 30 shipped ("gap 2")
-// and under kRuns as it is. One seed a scenario, so a few points either
-// way are noise.
+// under kRuns with no table length passed, which leaves every gap at
+// kRunGap blocks ("gap 2"), and under kRuns as SequenceManager calls it.
+// One seed a scenario, so a few points either way are noise. At bbdb196
+// (session 31's first step) the "gap 2" column is session 30's allocator.
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -42,8 +43,7 @@ struct Outcome {
 
 // `grown_gap`: pass each table's length to BlockAllocator::Allocate, as
 // SequenceManager does, so that kRuns sizes its gaps by it (RunGap);
-// false passes none, which leaves the fixed gap of kRunGap blocks that
-// session 30 shipped.
+// false passes none, which leaves every gap at kRunGap blocks.
 Outcome Run(const Scenario& s, BlockOrder order, bool grown_gap) {
   constexpr int64_t kBs = 16;
   BlockAllocator alloc(s.pool, order);

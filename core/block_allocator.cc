@@ -72,6 +72,39 @@ BlockId BlockAllocator::NextRunsFree(int64_t from) const {
   return kNone;  // unreachable while num_free_runs_ > 0
 }
 
+BlockId BlockAllocator::FindRunsExtent(int64_t from, int64_t len) const {
+  using U128 = unsigned __int128;
+  const int64_t words = static_cast<int64_t>(free_bits_.size());
+  int64_t w = from / 64;
+  // Starts before `from` count only when the search comes round.
+  uint64_t allowed = ~uint64_t{0} << (from % 64);
+  const int64_t limit = std::min(words + 1, kExtentSearchWords);
+  for (int64_t k = 0; k < limit; ++k, allowed = ~uint64_t{0}) {
+    const uint64_t bits = free_bits_[static_cast<size_t>(w)];
+    // An extent may reach into the next word, but not past the pool's end.
+    const uint64_t next =
+        w + 1 < words ? free_bits_[static_cast<size_t>(w + 1)] : 0;
+    const int64_t here = w;
+    if (++w == words) w = 0;
+    // Most words of a fragmented pool hold no two free ids in a row.
+    if ((bits & (bits >> 1 | next << 63) & allowed) == 0) continue;
+    // Bit j of `m` comes to mean that ids here * 64 + j .. + have - 1 are
+    // all free, `have` doubling each step; stop once no start is left.
+    U128 m = U128{next} << 64 | bits;
+    uint64_t starts = bits & allowed;
+    for (int64_t have = 1; starts != 0 && have < len;) {
+      const int64_t step = std::min(have, len - have);
+      m &= m >> step;
+      have += step;
+      starts = static_cast<uint64_t>(m) & allowed;
+    }
+    if (starts != 0) {
+      return static_cast<BlockId>(here * 64 + __builtin_ctzll(starts));
+    }
+  }
+  return kNone;
+}
+
 void BlockAllocator::LruRemove(BlockId id) {
   const BlockId p = lru_prev_[id], n = lru_next_[id];
   (p == kNone ? lru_head_ : lru_next_[p]) = n;
@@ -114,13 +147,27 @@ absl::Status BlockAllocator::Allocate(int64_t n, std::vector<BlockId>* out,
   // kRuns: the next block of the run (after + 1, ...), taken while free.
   BlockId want = runs && IsValid(after) ? after + 1 : kNone;
   bool fresh_run = false;  // took a block at the cursor
+  bool no_room = false;    // a FindRunsExtent found none
   for (int64_t i = 0; i < n; ++i) {
     BlockId id;
     if (runs && num_free_runs_ > 0) {
       if (IsValid(want) && RunsFree(want)) {
         id = want;
       } else {
-        id = NextRunsFree(cursor_);
+        // A new run starts where it can hold the rest of the allocation
+        // (up to kRunExtent blocks) whole, if the search finds such a
+        // place; else at the next free block. No search follows one that
+        // found no room, so the worst case (room nowhere) scans
+        // kExtentSearchWords words once a call, not once a block; one that
+        // finds room gives the run kRunExtent blocks (or the rest), so a
+        // call searches about n / kRunExtent times at most.
+        const int64_t len = std::min(n - i, kRunExtent);
+        id = kNone;
+        if (!no_room && len >= 2 && len <= num_free_runs_) {
+          id = FindRunsExtent(cursor_, len);
+          no_room = id == kNone;
+        }
+        if (id == kNone) id = NextRunsFree(cursor_);
         cursor_ = (id + 1) % num_blocks();
         fresh_run = true;
       }
@@ -138,15 +185,11 @@ absl::Status BlockAllocator::Allocate(int64_t n, std::vector<BlockId>* out,
     out->push_back(id);
   }
   if (fresh_run) {
-    // The cursor moves past the run's end and RunGap free blocks more,
-    // left to the run's sequence to grow into.
-    cursor_ = (out->back() + 1) % num_blocks();
-    const int64_t gap = RunGap(table_blocks);
-    for (int64_t k = 0; k < gap; ++k) {
-      const BlockId gap = NextRunsFree(cursor_);
-      if (gap == kNone) break;
-      cursor_ = (gap + 1) % num_blocks();
-    }
+    // Past the run's end and RunGap ids more (not past the pool's end:
+    // a run does not go round).
+    cursor_ = std::min<int64_t>(out->back() + 1 + RunGap(table_blocks),
+                                num_blocks()) %
+              num_blocks();
   }
   return absl::OkStatus();
 }

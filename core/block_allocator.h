@@ -44,17 +44,19 @@ enum class BlockOrder {
   // Later vLLM block managers: the first allocation gets block 0.
   kAscending,
   // No stack: each allocation continues its sequence's run (the blocks
-  // after `after`, while free) and takes the rest next-fit, in ascending
-  // ids from a cursor that moves on through the pool, leaving free blocks
-  // after each new run for its sequence to grow into (about as many as its
-  // table holds; BlockAllocator::RunGap). Freed blocks wait for the cursor
-  // to come round. Under churn (sequences arriving, growing a token at a
-  // time, finishing) a LIFO stack hands out tables as random as any: 0-3%
-  // of consecutive entries adjacent, where runs keep 98-100% with a third
-  // or more of the pool free, 83% at a quarter free and 67% in a pool run
-  // dry (tests/block_allocator_test.cc; simulations in docs/attention.md,
-  // sessions 30 and 31). Consecutive blocks take the attention kernel
-  // 0.89-0.95x the time of random ones (same place).
+  // after `after`, while free) and takes the rest from a cursor that moves
+  // on through the pool in ascending ids: at the first place with room for
+  // it (up to 16 blocks) free in a row, else at the next free block,
+  // leaving free blocks after each new run for its sequence to grow into
+  // (about as many as its table holds; BlockAllocator::RunGap). Freed
+  // blocks wait for the cursor to come round. Under churn (sequences
+  // arriving, growing a token at a time, finishing) a LIFO stack hands out
+  // tables as random as any: 0-3% of consecutive entries adjacent, where
+  // runs keep 98-100% with a third or more of the pool free and 90-91%
+  // with a quarter to a tenth free (tests/block_allocator_test.cc,
+  // bench/block_order_sim; docs/attention.md, sessions 30 and 31).
+  // Consecutive blocks take the attention kernel 0.89-0.95x the time of
+  // random ones (same place).
   kRuns,
 };
 
@@ -126,27 +128,42 @@ class BlockAllocator {
   // content but can no longer be hit. Emits AllBlocksCleared.
   void ResetPrefixCache();
 
-  // Free blocks kRuns's cursor skips after each new run, so that the
-  // run's sequence can grow into them before the cursor comes round: as
-  // many as the sequence's table then holds (a table growing a block at a
-  // time starts a new run each time it doubles, as a vector reallocates),
-  // at least kRunGap, at most kMaxRunGap, and past kRunGap no more than
-  // 1/kRunGapFreeShare of the free blocks, so that a pool running dry does
-  // not hand its last free blocks out as gaps the cursor then has to come
-  // round for (a gap of up to 32 there: 56%, below). In simulations
-  // (docs/attention.md, session 31; live tables' share of consecutive entries):
-  // with prompts of 256-3072 tokens and 32-1024 more decoded, a fixed gap of 2
-  // kept 95-96% of entries consecutive with 59-67% of the pool free, 92% with a
-  // third free and 67% at a tenth free; decoding 512-4096 tokens after prompts
-  // of 64-512 it kept 73% with two thirds free and 57% at a quarter free, and
-  // 78-88% for rows of 2k-16k tokens. This gap: 98-100%, 98%, 67%; 98%,
-  // 83%; 98-99%.
+  // kRuns: where new runs start and what they leave to grow into.
+  //
+  // A new run starts at the first place after the cursor with room for
+  // the rest of its allocation, up to kRunExtent blocks, free in a row;
+  // only where the search finds none within kExtentSearchWords words of
+  // the free bitmap (65,536 blocks; about 1 us when every other block is
+  // free, block_manager_bench's BM_ScatteredPool) at the next free block.
+  // Next-fit alone splits a prompt over every hole the cursor passes as
+  // the pool fills.
+  //
+  // The cursor then moves on past the run's end and RunGap ids more,
+  // free or not, which the run's sequence can grow into before the cursor
+  // comes round: as many as the sequence's table then holds (a table
+  // growing a block at a time starts a new run each time it doubles, as a
+  // vector reallocates), at least kRunGap, at most kMaxRunGap.
+  //
+  // Session 30 took the rest next-fit and skipped the next 2 free blocks,
+  // wherever they were. In simulations (bench/block_order_sim; at bbdb196
+  // for the two steps before these rules; docs/attention.md, session 31;
+  // live tables' share of consecutive entries), with prompts of 256-3072
+  // tokens and 32-1024 more decoded, session 30's rules kept 95-96% of
+  // entries consecutive with 59-67% of the pool free, 92% with a third
+  // free and 67% at a tenth free; with 512-4096 decoded after prompts of
+  // 64-512, 73% with two thirds free and 57% at a quarter free; for rows
+  // of 2k-16k tokens 78-88%. These rules: 100%, 99%, 90%; 98%, 95%; 99%.
+  // (A gap as long as the table alone: 98-100%, 98%, 67%; 98%, 83%. With
+  // the search for room for 4 blocks: 85%, 87% in the two fullest pools;
+  // 8: 90%, 89%; 16: 91%, 90%; 32: 88%, 89%; the whole allocation: 73%,
+  // 89%. Then a gap of the next ids rather than the next free blocks:
+  // 91%, 95%.)
+  static constexpr int64_t kRunExtent = 16;
+  static constexpr int64_t kExtentSearchWords = 1024;
   static constexpr int64_t kRunGap = 2;
   static constexpr int64_t kMaxRunGap = 32;
-  static constexpr int64_t kRunGapFreeShare = 128;
-  int64_t RunGap(int64_t table_blocks) const {
-    const int64_t room = std::max(kRunGap, num_free_runs_ / kRunGapFreeShare);
-    return std::clamp(std::min(table_blocks, room), kRunGap, kMaxRunGap);
+  static int64_t RunGap(int64_t table_blocks) {
+    return std::clamp(table_blocks, kRunGap, kMaxRunGap);
   }
 
   int32_t RefCount(BlockId id) const { return ref_counts_[id]; }
@@ -163,6 +180,10 @@ class BlockAllocator {
   // kRuns: the first free block at or after `from`, wrapping round; kNone
   // if none is free.
   BlockId NextRunsFree(int64_t from) const;
+  // kRuns: the first id at or after `from` (going round to the pool's start,
+  // over at most kExtentSearchWords words of the bitmap) that starts `len`
+  // free ids in a row, 2 <= len <= 64; kNone if none.
+  BlockId FindRunsExtent(int64_t from, int64_t len) const;
   void LruRemove(BlockId id);
   void LruPushBack(BlockId id);  // most recently used end
   void Unregister(BlockId id, bool emit);
