@@ -431,8 +431,9 @@ struct Options {
   // LIFO free list) hands a fresh pool's prefills, and a freed table's
   // blocks again to the next allocation of the same size. kRuns, row r
   // holds w consecutive blocks from a random multiple of w: a sequence's
-  // table as BlockOrder::kRuns keeps it, whole (under traffic 96-100% of
-  // its neighbouring entries are consecutive ids; block_allocator_test).
+  // table as BlockOrder::kRuns keeps it at best, whole (under traffic
+  // 90-100% of its neighbouring entries are consecutive ids in
+  // bench/block_order_sim, 73-96% in kChurnRuns's tables).
   // kChurn and kChurnRuns: the tables kvstep's own block manager leaves
   // under traffic, in its default order (a LIFO stack) and in
   // BlockOrder::kRuns (ChurnTables); the pool is then a quarter larger
