@@ -52,7 +52,7 @@ enum class BlockOrder {
   // blocks wait for the cursor to come round. Under churn (sequences
   // arriving, growing a token at a time, finishing) a LIFO stack hands out
   // tables as random as any: 0-3% of consecutive entries adjacent, where
-  // runs keep 98-100% with a third or more of the pool free and 90-91%
+  // runs keep 98-100% with a third or more of the pool free and 90-95%
   // with a quarter to a tenth free (tests/block_allocator_test.cc,
   // bench/block_order_sim; docs/attention.md, sessions 30 and 31).
   // Consecutive blocks take the attention kernel 0.89-0.95x the time of
