@@ -33,6 +33,17 @@ void BM_AllocatorAllocateRelease(benchmark::State& state) {
 }
 BENCHMARK(BM_AllocatorAllocateRelease)->ArgsProduct({{1, 16, 256}, {0, 1}});
 
+// Takes every block of `a`'s empty pool, then releases every `stride`-th
+// one (ids 0, stride, 2 * stride, ...), so that the free blocks are spread
+// evenly over the pool.
+void FreeEvery(BlockAllocator* a, int64_t stride) {
+  std::vector<BlockId> all;
+  (void)a->Allocate(a->num_blocks(), &all);
+  for (BlockId b : all) {
+    if (b % stride == 0) (void)a->Release({&b, 1});
+  }
+}
+
 // One block at a time after another (a decoding sequence's growth) in a
 // pool with `free` free blocks spread evenly over it, the rest owned: runs
 // cannot continue the run (the next id is owned), so each allocation
@@ -40,11 +51,8 @@ BENCHMARK(BM_AllocatorAllocateRelease)->ArgsProduct({{1, 16, 256}, {0, 1}});
 void BM_NearlyFullPool(benchmark::State& state) {
   BlockAllocator a(kBlocks, OrderArg(state));
   const int64_t free = state.range(0);
-  std::vector<BlockId> all, one;
-  (void)a.Allocate(kBlocks, &all);
-  for (BlockId b : all) {
-    if (b % (kBlocks / free) == 0) (void)a.Release({&b, 1});
-  }
+  FreeEvery(&a, kBlocks / free);
+  std::vector<BlockId> one;
   for (auto _ : state) {
     one.clear();
     (void)a.Allocate(1, &one, /*after=*/1);
@@ -62,11 +70,8 @@ BENCHMARK(BM_NearlyFullPool)->ArgsProduct({{1, 64, 4096}, {0, 1}});
 void BM_ScatteredPool(benchmark::State& state) {
   BlockAllocator a(kBlocks, OrderArg(state));
   const int64_t n = state.range(0);
-  std::vector<BlockId> all, ids;
-  (void)a.Allocate(kBlocks, &all);
-  for (BlockId b : all) {
-    if (b % 2 == 0) (void)a.Release({&b, 1});
-  }
+  FreeEvery(&a, 2);
+  std::vector<BlockId> ids;
   for (auto _ : state) {
     ids.clear();
     (void)a.Allocate(n, &ids);
