@@ -1,0 +1,127 @@
+#!/usr/bin/python3
+"""Summarises an attention_bench grid as docs/attention.md records it.
+
+    build/bench/attention_bench --full --max_gb=9 > grid.txt
+    bench/grid_table.py grid.txt [--min_context=1024] [--goal=80]
+
+Prints a Markdown table of the goal's cells (contexts from --min_context,
+every dtype, batch and thread count in the file): "of read" / "median of",
+and for two threads the case's two-thread read in GB/s in brackets. Then,
+per thread count, the range of batch 1 and of batches 16 and more, and how
+many cells are under --goal percent.
+
+A case whose best read pass is under half the median read of its thread
+count was disturbed (a neighbour on this shared VM held the core for the
+whole case): the read and the calls are both slow, so its figure says
+nothing of the kernel. Such cells are marked `*` and left out of the
+ranges and counts, which say how many were left out.
+"""
+
+import argparse
+import statistics
+import sys
+
+DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32",
+          "fp8_e4m3": "fp8 e4m3", "fp8_e5m2": "fp8 e5m2"}
+
+
+def parse(path, min_context):
+    """Returns {(dtype, threads, batch, context): (of, median, read)}."""
+    cells = {}
+    try:
+        f = open(path)
+    except OSError as e:
+        sys.exit(f"{path}: {e.strerror}")
+    with f:
+        for line in f:
+            fields = line.split()
+            # dtype context batch threads us/call best mean best read of median
+            if len(fields) < 11 or fields[0] not in DTYPES:
+                continue
+            if not (fields[1].isdigit() and fields[2].isdigit()
+                    and fields[3].isdigit()):
+                continue
+            ctx, batch, threads = int(fields[1]), int(fields[2]), int(fields[3])
+            if ctx < min_context:
+                continue
+            try:
+                of = int(fields[9].rstrip("%"))
+                median = int(fields[10].rstrip("%"))
+                read = float(fields[8])
+            except ValueError:
+                continue
+            cells[(fields[0], threads, batch, ctx)] = (of, median, read)
+    return cells
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("grid", help="attention_bench output")
+    ap.add_argument("--min_context", type=int, default=1024)
+    ap.add_argument("--goal", type=int, default=80)
+    args = ap.parse_args()
+
+    cells = parse(args.grid, args.min_context)
+    if not cells:
+        sys.exit(f"{args.grid}: no grid rows from context {args.min_context}")
+    dtypes = [d for d in DTYPES if any(k[0] == d for k in cells)]
+    threads = sorted({k[1] for k in cells})
+    batches = sorted({k[2] for k in cells})
+    contexts = sorted({k[3] for k in cells})
+    median_read = {
+        t: statistics.median(v[2] for k, v in cells.items() if k[1] == t)
+        for t in threads
+    }
+
+    def disturbed(key):
+        return cells[key][2] < 0.5 * median_read[key[1]]
+
+    heads = " | ".join(f"{c // 1024}k" if c % 1024 == 0 else str(c)
+                       for c in contexts)
+    print(f"| cache, threads | batch | {heads} |")
+    print("| --- | --- | " + " | ".join("---" for _ in contexts) + " |")
+    for d in dtypes:
+        for t in threads:
+            for b in batches:
+                row = []
+                for c in contexts:
+                    key = (d, t, b, c)
+                    if key not in cells:
+                        row.append("-")
+                        continue
+                    of, median, read = cells[key]
+                    text = f"{of}% / {median}%"
+                    if t > 1:
+                        text += f" ({read:.0f})"
+                    if disturbed(key):
+                        text += " *"
+                    row.append(text)
+                if any(r != "-" for r in row):
+                    print(f"| {DTYPES[d]}, {t} | {b} | " + " | ".join(row) + " |")
+    print()
+    for t in threads:
+        reads = [v[2] for k, v in cells.items() if k[1] == t and not disturbed(k)]
+        parts = []
+        for name, pick in (("batch 1", lambda b: b == 1),
+                           ("batches 16+", lambda b: b >= 16)):
+            keys = [k for k in cells if k[1] == t and pick(k[2])]
+            kept = [k for k in keys if not disturbed(k)]
+            if not kept:
+                continue
+            ofs = [cells[k][0] for k in kept]
+            under = sum(o < args.goal for o in ofs)
+            span = (f"{min(ofs)}%" if min(ofs) == max(ofs)
+                    else f"{min(ofs)}-{max(ofs)}%")
+            text = (f"{name} {span} "
+                    f"({under} of {len(kept)} under {args.goal}%")
+            if len(kept) < len(keys):
+                text += f"; {len(keys) - len(kept)} disturbed, left out"
+            parts.append(text + ")")
+        read = (f"{min(reads):.0f}" if round(min(reads)) == round(max(reads))
+                else f"{min(reads):.0f}-{max(reads):.0f}")
+        print(f"{t} thread{'s' if t > 1 else ''}: " + "; ".join(parts) +
+              f"; read {read} GB/s")
+
+
+if __name__ == "__main__":
+    main()
