@@ -25,7 +25,7 @@
 //       [--dtype=bfloat16|float16|float32|fp8_e4m3|fp8_e5m2]
 //       [--context=N] [--batch=N] [--threads=N]
 //       [--kernel=v1|v2] [--isa=avx512|avx2|portable] [--kv_heads=8]
-//       [--prefill=N] [--warm] [--cold=layers|flush]
+//       [--prefill=N] [--warm] [--cold=layers|layers_flush|flush]
 //       [--vs=isa=avx2|kernel=v1|kernel=v2|...]
 //       [--pool_mib=N]
 //       [--tables=random|sorted|sequential|descending|runs|churn|churn_runs]
@@ -68,18 +68,26 @@
 // worker to finish before it sleeps (ThreadPool::set_finish_poll; by
 // default kDefaultFinishPoll, 0 sleeps at once), --pool_idle_poll_us how
 // long the worker polls for the next call (set_idle_poll; by default
-// kDefaultIdlePoll). Between two cold calls the caller flushes the last
-// call's K/V lines (about 0.3 ms at 4 MiB of K/V, longer for bigger calls;
-// with --cold=flush it also reads 32 MiB, 0.5-1 ms more), which an idle
-// poll shorter than that does not bridge; each round's read pass (about 8
-// ms) is never bridged.
+// kDefaultIdlePoll). Cold calls follow each other back to back by default
+// (--cold=layers); under --cold=layers_flush the caller flushes the last
+// call's K/V lines between them (about 0.3 ms at 4 MiB of K/V, longer for
+// bigger calls; with --cold=flush it also reads 32 MiB, 0.5-1 ms more),
+// which an idle poll shorter than that does not bridge; each round's read
+// pass (about 8 ms) is never bridged.
 //
 // --cold= says how a cold call's K/V leaves the caches (Options::ColdMode):
-// by default (layers) as in a decode step, the calls cycling over as many
-// layers as make 96 MiB of K/V, each layer's lines flushed after its call;
-// --cold=flush as sessions 8-27 measured, the lines flushed and 32 MiB
-// read before each call, which also leaves the kernel's code and scratch
-// and the pool's page-table entries cold (docs/attention.md, session 28).
+// by default (layers, since session 33) as in a decode step of a model
+// whose layers' K/V exceed the caches many times over: the calls cycle over
+// as many layers as make 1 GiB of K/V, and nothing is flushed, so a call
+// finds the caches full of the other layers' K/V and its own lines, TLB
+// entries and page-table lines gone; --cold=layers_flush as sessions 28-32
+// measured, 96 MiB of layers, each layer's lines flushed after its call,
+// which left free room in L3 and this VM's page-table lines there (one-
+// thread median calls, bf16 1024 x 1 and x 16, took 0.91-0.99x the time
+// they took under layers before the kernel's row touch; docs/attention.md,
+// session 33); --cold=flush as sessions 8-27 measured, the lines flushed and 32
+// MiB read before each call, which also leaves the kernel's code and scratch
+// cold (session 28).
 //
 // --vs=FLAG (any of --isa=, --kernel=, --prefetch=, --bf16_keys=, --amx=,
 // --fp8_dot=, --nhd_rows=, --vllm_rows=, --prefetch_l2=, --touch_min_mib=,
@@ -463,22 +471,30 @@ struct Options {
   // so that working sets up to a few times the L3 partly hit it.
   bool cold = true;
   // How a cold call's K/V leaves the caches (--cold=):
-  //   kLayers: as in a decode step. The cache has as many layers as make
-  //     kStepBytes of K/V (at least one) and calls cycle over them; after
-  //     each call its layer's lines are flushed (untimed, CLFLUSHOPT), so
-  //     that a call finds its K/V in no cache, and its pages' TLB entries
-  //     and page-table lines gone with the other layers' K/V that passed
-  //     through, while the kernel's code and scratch and the thread pool
-  //     stay where the previous layer's call left them.
+  //   kLayers: as in a decode step of a model whose layers' K/V are many
+  //     times the caches. The cache has as many layers as make
+  //     kCycleBytes of K/V (at least one) and calls cycle over them, with
+  //     nothing flushed: a call finds L3 full of the other layers' K/V,
+  //     and its own lines, its pages' TLB entries and their page-table
+  //     lines gone with that traffic, while the kernel's code and scratch
+  //     and the thread pool stay where the previous layer's call left
+  //     them.
+  //   kLayersFlush: sessions 28-32's kLayers: kStepBytes of layers, each
+  //     layer's lines flushed after its call (untimed, CLFLUSHOPT). That
+  //     leaves L3 with room the next call fills without evicting anything,
+  //     and nothing evicts the pool's page-table lines from it: on this
+  //     VM, whose host maps guest memory in 4 KB pages, the walks of a
+  //     call's random pages then hit L3 (session 33).
   //   kFlush: before each call its K/V lines are flushed, then 32 MiB read
   //     on 4 KB pages (sessions 8-27): every cache level and the TLB then
   //     hold that read, the code and scratch included, which a server's
   //     calls do not do (session 28: 1-3% of a small one-thread call's
   //     time, 5-12% of a two-thread batch-1 call's).
-  enum class ColdMode { kLayers, kFlush };
+  enum class ColdMode { kLayers, kLayersFlush, kFlush };
   ColdMode cold_mode = ColdMode::kLayers;
-  // Whether cold calls cycle over layers (kLayers, and not --warm).
-  bool CyclesLayers() const { return cold && cold_mode == ColdMode::kLayers; }
+  // Whether cold calls cycle over layers (kLayers or kLayersFlush, and not
+  // --warm).
+  bool CyclesLayers() const { return cold && cold_mode != ColdMode::kFlush; }
   bool ab = false;  // --vs: time `vs` against `params` call by call
   AttentionParams vs;
   // The pool's polls (ThreadPool::set_finish_poll, set_idle_poll), for
@@ -502,10 +518,25 @@ struct Options {
 // 20 ms at this machine's single-thread bandwidth.
 constexpr size_t kReadBytes = size_t{256} << 20;
 
-// K/V bytes of the layers a cold case's calls cycle over (kLayers): three
-// times this Zen 5's 32 MiB L3, so that a layer's lines are long gone from
-// every cache, and its pages from the TLB, when its turn comes again.
+// K/V bytes of the layers a cold case's calls cycle over (kLayers): 32
+// times this Zen 5's 32 MiB L3, a 32-layer model's K/V at batch 8 and 1024
+// keys (bf16, 8 KV heads, head 128). Without a flush, a layer's lines are
+// gone from every cache when its turn comes again, its page-table lines
+// too: a cycle of 2 GiB gave the same call times (session 33), and one of
+// 96 MiB left some of each layer's lines in L3 (bf16 1024 x 1 took 0.85x
+// the time).
+constexpr int64_t kCycleBytes = int64_t{1} << 30;
+
+// K/V bytes of the layers under kLayersFlush (sessions 28-32): three times
+// the L3, so that a layer's pages are gone from the TLB when its turn
+// comes again (its lines are flushed).
 constexpr int64_t kStepBytes = int64_t{96} << 20;
+
+// K/V bytes of the layers a cold case's calls cycle over.
+int64_t CycleBytes(const Options& o) {
+  return o.cold_mode == Options::ColdMode::kLayersFlush ? kStepBytes
+                                                        : kCycleBytes;
+}
 
 // One case's cache (filled with small finite values), rows and query, and
 // the work of one call: K+V bytes (decode), or FLOPs (prefill: each of the
@@ -736,10 +767,10 @@ Setup MakeSetup(DType dtype, int64_t ctx, int64_t batch, const Options& o) {
   c.num_blocks = std::max(per_row * batch * (o.Churns() ? 5 : 4) / 4,
                           (o.pool_mib << 20) / block_bytes);
   const int64_t layer_bytes = c.num_blocks * block_bytes;
-  c.num_layers =
-      o.CyclesLayers()
-          ? std::max<int64_t>(1, (kStepBytes + layer_bytes - 1) / layer_bytes)
-          : 1;
+  c.num_layers = o.CyclesLayers()
+                     ? std::max<int64_t>(
+                           1, (CycleBytes(o) + layer_bytes - 1) / layer_bytes)
+                     : 1;
   Setup st;
   st.layers = c.num_layers;
   st.cache = *KvCache::Create(c, CpuDevice());
@@ -833,8 +864,8 @@ Setup MakeSetup(DType dtype, int64_t ctx, int64_t batch, const Options& o) {
 }
 
 // Times one call of p on rows, cold (o.cold) as o.cold_mode says: kFlush
-// flushes before the call, kLayers calls the next layer and flushes its
-// lines after the call (both untimed).
+// flushes before the call, kLayers calls the next layer, kLayersFlush too
+// and flushes its lines after the call (the flushes untimed).
 double TimedCall(Setup* st, const Options& o, CacheFlusher* flusher,
                  const AttentionRows& rows, const AttentionParams& p,
                  ThreadPool* pool, Tensor* out) {
@@ -845,10 +876,36 @@ double TimedCall(Setup* st, const Options& o, CacheFlusher* flusher,
   (void)PagedAttention(*st->cache, layer, st->q, rows, p, pool, out);
   const double dt = Now() - t;
   if (layers) {
-    flusher->Flush(*st->cache, rows, layer, /*read=*/false);
+    if (o.cold_mode == Options::ColdMode::kLayersFlush) {
+      flusher->Flush(*st->cache, rows, layer, /*read=*/false);
+    }
     st->next_layer = (layer + 1) % st->layers;
   }
   return dt;
+}
+
+// A case's first calls, untimed: one on layer 0 that must succeed, then,
+// where cold calls cycle over several layers, one on every layer, so that
+// timing starts in the steady state (the setup's fill of the layers left
+// the last ones' lines in L3, where the first cycle's calls found them:
+// under --no_baseline and --vs, whose first calls follow no read pass,
+// bf16 1024 x 1's best calls took 0.87x the time of the others; session
+// 33).
+void WarmUp(Setup* st, const Options& o, CacheFlusher* flusher,
+            const AttentionRows& rows, const AttentionParams& p,
+            ThreadPool* pool, Tensor* out) {
+  MustRun(PagedAttention(*st->cache, 0, st->q, rows, p, pool, out));
+  if (!o.cold) return;
+  if (!o.CyclesLayers() || st->layers == 1) {
+    // kLayers' one layer leaves its lines to its next call's own traffic.
+    if (o.cold_mode != Options::ColdMode::kLayers) {
+      flusher->Flush(*st->cache, rows, 0, /*read=*/false);
+    }
+    return;
+  }
+  for (int64_t l = 0; l < st->layers; ++l) {
+    (void)TimedCall(st, o, flusher, rows, p, pool, out);
+  }
 }
 
 Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
@@ -861,8 +918,7 @@ Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
   o.polls.Apply(&pool);
   const AttentionParams& p = o.params;
   Tensor out;
-  MustRun(PagedAttention(*st.cache, 0, st.q, rows, p, &pool, &out));
-  if (o.cold) flusher->Flush(*st.cache, rows, 0, /*read=*/false);
+  WarmUp(&st, o, flusher, rows, p, &pool, &out);
   // Rounds of one read pass (at the same thread count) and then kernel
   // calls for about as long, so that the two see the same moments of this
   // shared VM: a neighbour moves both by 25% or more within seconds.
@@ -973,11 +1029,13 @@ AbResult MeasureAb(DType dtype, int64_t ctx, int64_t batch, int threads,
   Setup st = MakeSetup(dtype, ctx, batch, o);
   ThreadPool pool(threads);
   Tensor out;
-  MustRun(PagedAttention(*st.cache, 0, st.q, st.rows, o.params, &pool, &out));
   MustRun(PagedAttention(*st.cache, 0, st.q, st.vs_rows, o.vs, &pool, &out));
-  if (o.cold) {
-    flusher->Flush(*st.cache, st.rows, 0, /*read=*/false);
-    flusher->Flush(*st.cache, st.vs_rows, 0, /*read=*/false);
+  WarmUp(&st, o, flusher, st.rows, o.params, &pool, &out);
+  if (o.cold && o.cold_mode != Options::ColdMode::kLayers) {
+    // B's blocks where its tables differ from A's (--vs=tables=).
+    for (int64_t l = 0; l < st.layers; ++l) {
+      flusher->Flush(*st.cache, st.vs_rows, l, /*read=*/false);
+    }
   }
   // Each call's polls are set before its flush, and an empty job follows,
   // so that the worker ends a job under them: its idle poll decides whether
@@ -1027,9 +1085,12 @@ int main(int argc, char** argv) {
       full = true;
     } else if (a == "--warm") {
       o.cold = false;
-    } else if (a == "--cold=layers" || a == "--cold=flush") {
-      o.cold_mode = a == "--cold=layers" ? kvstep::Options::ColdMode::kLayers
-                                         : kvstep::Options::ColdMode::kFlush;
+    } else if (a == "--cold=layers") {
+      o.cold_mode = kvstep::Options::ColdMode::kLayers;
+    } else if (a == "--cold=layers_flush") {
+      o.cold_mode = kvstep::Options::ColdMode::kLayersFlush;
+    } else if (a == "--cold=flush") {
+      o.cold_mode = kvstep::Options::ColdMode::kFlush;
     } else if (a == "--no_baseline") {
       baseline = false;
     } else if (kvstep::ParseParamFlag(a, &o.params) ||
@@ -1137,9 +1198,12 @@ int main(int argc, char** argv) {
   }
   kvstep::Bandwidth bw(baseline ? size_t{1} << 30 : 64 << 20);
   kvstep::CacheFlusher flusher(static_cast<size_t>(flush_mib));
-  // Cycling over layers needs the line flush (CLFLUSHOPT, and no
+  // Flushing a layer's lines after its call needs CLFLUSHOPT (and no
   // --flush_mib).
-  if (!flusher.lines()) o.cold_mode = kvstep::Options::ColdMode::kFlush;
+  if (!flusher.lines() &&
+      o.cold_mode == kvstep::Options::ColdMode::kLayersFlush) {
+    o.cold_mode = kvstep::Options::ColdMode::kFlush;
+  }
   if (baseline) {
     const double read1 = bw.Read(1, size_t{1} << 30, 5);
     const double read2 = bw.Read(2, size_t{1} << 30, 5);
@@ -1162,10 +1226,15 @@ int main(int argc, char** argv) {
     std::printf(" (runs of %ld blocks)", static_cast<long>(o.run_blocks));
   }
   std::printf("; ");
-  if (o.CyclesLayers()) {
+  if (o.CyclesLayers() && o.cold_mode == kvstep::Options::ColdMode::kLayers) {
     std::printf(
         "cold caches as in a decode step (the case's K/V in as many layers as "
-        "make %ld MiB, calls cycling over them, each layer's K/V lines "
+        "make %ld MiB, calls cycling over them, nothing flushed)\n",
+        static_cast<long>(kvstep::kCycleBytes >> 20));
+  } else if (o.CyclesLayers()) {
+    std::printf(
+        "cold caches as in sessions 28-32 (the case's K/V in as many layers "
+        "as make %ld MiB, calls cycling over them, each layer's K/V lines "
         "flushed after its call, untimed)\n",
         static_cast<long>(kvstep::kStepBytes >> 20));
   } else if (o.cold && flusher.lines()) {
