@@ -58,7 +58,13 @@ struct AttentionParams {
   // The slice touch (vLLM layout, every cache dtype): an item of at
   // least touch_min_blocks blocks, in a call that reads at least
   // touch_min_bytes of K/V, first prefetches one line of each of its key
-  // and value slices, all at once. It changes no result. -1 (the default):
+  // and value slices, all at once; a decode row read over every KV head
+  // at once (the vLLM layout's row passes) instead prefetches one line in
+  // every 32 KB of each of its blocks' keys and values, under the same
+  // gates (since session 33: bf16 and fp16 rows of 1024-8192 keys then
+  // took 0.95-0.98x the time on one thread, fp32 0.98-0.99x, 0.99-1.00x on
+  // two, where calls cycle over 1 GiB of layers). It changes no result.
+  // -1 (the default):
   // this CPU's measured choice. On AMD (and Hygon) CPUs every item of
   // every call (0 and 0): on Zen 5, call by call, calls of 256 MiB and
   // more took 0.85-0.95x the time of no touch for bf16 and fp16 and 0.92-
