@@ -1082,10 +1082,8 @@ template <typename A>
 void Run(const KvCache& cache, int64_t layer, const Tensor& query,
          const AttentionRows& rows, const AttentionParams& p, ThreadPool* pool,
          Tensor* out) {
-  const A a(cache, layer, query, rows, p, out);
   const int64_t kvh = cache.config().num_kv_heads;
   const int64_t D = cache.config().head_size;
-  const int64_t G = a.group();
   const int64_t P = p.partition_size;
   int64_t max_len = 0;
   double pairs = 0;  // (query token, key) pairs, keys counted to seq_len
@@ -1107,6 +1105,8 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
                        static_cast<double>(DTypeSize(cache.config().dtype));
   if (bytes < static_cast<double>(p.parallel_min_bytes)) pool = nullptr;
   const int64_t threads = pool != nullptr ? pool->num_threads() : 1;
+  const A a(cache, layer, query, rows, p, threads, out);
+  const int64_t G = a.group();
   // Items are (row, KV head), or whole rows where the kernel reads all of
   // a row's KV heads at once (Attender::RowTokens: the NHD layout, rows of
   // few query tokens; the vLLM layout, decode rows); heads [h0, h1) of an

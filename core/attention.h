@@ -177,9 +177,13 @@ struct AttentionParams {
   // threads; bf16 0.96-0.98x and fp16 0.93-0.96x at 1k-2k keys, batches
   // 16-32, one thread (two threads 0.99-1.01x), but bf16 1.00-1.04x at
   // 4k-8k keys, where the logits of every head of a row, written before
-  // any V pass reads them, pass 256 KB. So 16-bit caches take it only
-  // where a row's logits (query heads x keys x 4 bytes) fit 256 KB
-  // (docs/attention.md, session 23). Prefill rows, fp8 caches and 8-token
+  // any V pass reads them, pass 256 KB. So 16-bit caches take it where a
+  // row's logits (query heads x keys x 4 bytes) fit 256 KB (session 23),
+  // up to 2 MB in calls of at most 8 rows (session 28) or on one thread
+  // (session 33: 0.92-0.99x the time at 4k-16k keys, batches 16-256, since
+  // rows touch their blocks first), or at any length where the rows'
+  // tables run in consecutive blocks (session 30; docs/attention.md).
+  // Prefill rows, fp8 caches and 8-token
   // blocks: an item per (row, KV head). false: for A/B runs and tests.
   bool vllm_rows = true;
   // Whether the AVX-512 passes over a vLLM-layout cache prefetch each

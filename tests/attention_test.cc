@@ -1357,31 +1357,37 @@ TEST(PagedAttention, VllmDecodeRowsOverEveryKvHead) {
 
 // Which 16-bit decode calls take rows over every KV head: logits of up to
 // 256 KB a row in any call, up to 2 MiB in calls of at most 8 rows
-// (AttentionParams::vllm_rows; timed in docs/attention.md, session 28),
-// and any length where at least half of the neighbouring table entries
-// (of each row's first 65) are consecutive ids (session 30). Tables: each
-// row's own blocks cut into runs of consecutive ids whose lengths cycle
-// through `runs`, the runs in reverse order (runs {2}: 32 of 64 sampled
-// pairs consecutive; {2, 3, 1}: 31), all in order ({0}), or shuffled
-// ({}).
-TEST(PagedAttention, VllmRowsPast256KbOnlyInCallsOfFewRowsOrOfRuns) {
+// (AttentionParams::vllm_rows; timed in docs/attention.md, session 28) or
+// on one thread (session 33), and any length where at least half of the
+// neighbouring table entries (of each row's first 65) are consecutive ids
+// (session 30). Tables: each row's own blocks cut into runs of consecutive
+// ids whose lengths cycle through `runs`, the runs in reverse order (runs
+// {2}: 32 of 64 sampled pairs consecutive; {2, 3, 1}: 31), all in order
+// ({0}), or shuffled ({}). Two threads: a pool of two, used for any call.
+TEST(PagedAttention, VllmRowsPast256KbOnlyForFewRowsOneThreadOrRuns) {
   const bool avx512 = IsaSupported(AttentionParams::Isa::kAvx512);
   struct Call {
     int64_t heads, keys, batch;
     std::vector<int64_t> runs;
+    int threads;
     bool rows;
   };
   const Call calls[] = {
-      {8, 8192, 9, {}, true},          // 256 KB exactly: any batch
-      {8, 8200, 8, {}, true},          // past 256 KB, 8 rows
-      {8, 8200, 9, {}, false},         // past 256 KB, 9 rows
-      {128, 4096, 1, {}, true},        // 2 MiB exactly, one row
-      {128, 4100, 1, {}, false},       // past 2 MiB
-      {8, 8200, 9, {0}, true},         // past 256 KB, 9 rows, in order
-      {128, 4100, 1, {0}, true},       // past 2 MiB, in order
-      {8, 8200, 9, {2}, true},         // half consecutive
-      {8, 8200, 9, {2, 3, 1}, false},  // just under half
+      {8, 8192, 9, {}, 2, true},          // 256 KB exactly: any batch
+      {8, 8200, 8, {}, 2, true},          // past 256 KB, 8 rows
+      {8, 8200, 9, {}, 2, false},         // past 256 KB, 9 rows
+      {8, 8200, 9, {}, 1, true},          // the same on one thread
+      {128, 4096, 1, {}, 1, true},        // 2 MiB exactly, one row
+      {128, 4100, 1, {}, 1, false},       // past 2 MiB
+      {128, 4100, 9, {}, 1, false},       // past 2 MiB, 9 rows
+      {8, 8200, 9, {0}, 2, true},         // past 256 KB, 9 rows, in order
+      {128, 4100, 1, {0}, 1, true},       // past 2 MiB, in order
+      {8, 8200, 9, {2}, 2, true},         // half consecutive
+      {8, 8200, 9, {2, 3, 1}, 2, false},  // just under half
   };
+  ThreadPool pool(2);
+  AttentionParams p;
+  p.parallel_min_bytes = 0;
   for (const Call& k : calls) {
     const int64_t bs = 16, width = (k.keys + bs - 1) / bs;
     // Zero K/V (KvCache::Create's): only which pass runs is checked.
@@ -1416,12 +1422,13 @@ TEST(PagedAttention, VllmRowsPast256KbOnlyInCallsOfFewRowsOrOfRuns) {
         *Tensor::Zeros(CpuDevice(), DType::kBFloat16, {k.batch, k.heads, 64});
     const int64_t before = internal::VllmRowPasses();
     Tensor out;
-    const absl::Status s =
-        PagedAttention(*cache, 0, q, rows, AttentionParams(), nullptr, &out);
+    const absl::Status s = PagedAttention(
+        *cache, 0, q, rows, p, k.threads == 2 ? &pool : nullptr, &out);
     ASSERT_TRUE(s.ok()) << s;
     EXPECT_EQ(internal::VllmRowPasses() > before, avx512 && k.rows)
         << k.heads << " heads, " << k.keys << " keys, " << k.batch
-        << " rows, runs of " << (k.runs.empty() ? -1 : k.runs[0]);
+        << " rows, runs of " << (k.runs.empty() ? -1 : k.runs[0]) << ", "
+        << k.threads << " threads";
   }
 }
 
