@@ -40,7 +40,9 @@
 // (the filters run one slice of the grid, e.g. under perf). --pool_mib
 // draws the batch's blocks from a pool of at least N MiB, as in a server
 // whose pool is far larger than one batch; by default the pool is the
-// batch's blocks, so small batches read from a small region. --query sets
+// batch's blocks, so small batches read from a small region (a pool whose
+// layers' calls read under 512 MiB a cycle flushes each call's lines after
+// it, as --cold=layers_flush does, and says so in a "#" line). --query sets
 // the query's dtype (by default the cache's; bf16 for fp8 caches).
 // --max_gb caps the K/V bytes of a case (by default 2 GB, which keeps
 // the full grid's run short and its memory within a small machine's):
@@ -83,11 +85,11 @@
 // entries and page-table lines gone; --cold=layers_flush as sessions 28-32
 // measured, 96 MiB of layers, each layer's lines flushed after its call,
 // which left free room in L3 and this VM's page-table lines there (one-
-// thread median calls, bf16 1024 x 1 and x 16, took 0.91-0.99x the time
-// they took under layers before the kernel's row touch; docs/attention.md,
-// session 33); --cold=flush as sessions 8-27 measured, the lines flushed and 32
-// MiB read before each call, which also leaves the kernel's code and scratch
-// cold (session 28).
+// thread calls, bf16 1024 x 1 and x 16, took 0.90-0.98x the time they
+// took under layers, both before the kernel's row touch;
+// docs/attention.md, session 33); --cold=flush as sessions 8-27 measured,
+// the lines flushed and 32 MiB read before each call, which also leaves
+// the kernel's code and scratch cold (session 28).
 //
 // --vs=FLAG (any of --isa=, --kernel=, --prefetch=, --bf16_keys=, --amx=,
 // --fp8_dot=, --nhd_rows=, --vllm_rows=, --prefetch_l2=, --touch_min_mib=,
@@ -545,6 +547,11 @@ struct Setup {
   std::unique_ptr<KvCache> cache;
   int64_t layers = 1;      // the cache's: calls cycle over them (kLayers)
   int64_t next_layer = 0;  // the next call's
+  // Whether cold calls over layers flush their lines after them:
+  // kLayersFlush, or kLayers where a cycle's calls read under half of
+  // kCycleBytes (a --pool_mib pool far larger than the batch's blocks,
+  // whose few layers would leave a call's blocks in L3 for its next turn).
+  bool flush_after = false;
   AttentionRows rows;
   AttentionRows vs_rows;  // --vs only: rows with B's tables (same cache)
   Tensor q;
@@ -773,6 +780,19 @@ Setup MakeSetup(DType dtype, int64_t ctx, int64_t batch, const Options& o) {
                      : 1;
   Setup st;
   st.layers = c.num_layers;
+  const int64_t call_bytes = per_row * batch * block_bytes;
+  st.flush_after =
+      o.CyclesLayers() && (o.cold_mode == Options::ColdMode::kLayersFlush ||
+                           c.num_layers * call_bytes < CycleBytes(o) / 2);
+  if (st.flush_after && o.cold_mode == Options::ColdMode::kLayers) {
+    std::printf(
+        "# %s context %ld batch %ld: the calls of a cycle over the pool's "
+        "layers (%ld) read %ld MiB, so each call's lines are flushed after "
+        "it, as under --cold=layers_flush\n",
+        std::string(DTypeName(dtype)).c_str(), static_cast<long>(ctx),
+        static_cast<long>(batch), static_cast<long>(c.num_layers),
+        static_cast<long>((c.num_layers * call_bytes) >> 20));
+  }
   st.cache = *KvCache::Create(c, CpuDevice());
   KvCache& cache = *st.cache;
   for (int64_t l = 0; l < c.num_layers; ++l) {
@@ -876,8 +896,10 @@ double TimedCall(Setup* st, const Options& o, CacheFlusher* flusher,
   (void)PagedAttention(*st->cache, layer, st->q, rows, p, pool, out);
   const double dt = Now() - t;
   if (layers) {
-    if (o.cold_mode == Options::ColdMode::kLayersFlush) {
-      flusher->Flush(*st->cache, rows, layer, /*read=*/false);
+    // Without CLFLUSHOPT (kLayers only: kLayersFlush falls back to kFlush
+    // then), a read of the flusher's buffer instead.
+    if (st->flush_after) {
+      flusher->Flush(*st->cache, rows, layer, /*read=*/!flusher->lines());
     }
     st->next_layer = (layer + 1) % st->layers;
   }
@@ -897,9 +919,10 @@ void WarmUp(Setup* st, const Options& o, CacheFlusher* flusher,
   MustRun(PagedAttention(*st->cache, 0, st->q, rows, p, pool, out));
   if (!o.cold) return;
   if (!o.CyclesLayers() || st->layers == 1) {
-    // kLayers' one layer leaves its lines to its next call's own traffic.
-    if (o.cold_mode != Options::ColdMode::kLayers) {
-      flusher->Flush(*st->cache, rows, 0, /*read=*/false);
+    // kLayers' one layer of 1 GiB or more leaves its lines to its next
+    // call's own traffic.
+    if (o.cold_mode == Options::ColdMode::kFlush || st->flush_after) {
+      flusher->Flush(*st->cache, rows, 0, /*read=*/!flusher->lines());
     }
     return;
   }
@@ -1031,7 +1054,7 @@ AbResult MeasureAb(DType dtype, int64_t ctx, int64_t batch, int threads,
   Tensor out;
   MustRun(PagedAttention(*st.cache, 0, st.q, st.vs_rows, o.vs, &pool, &out));
   WarmUp(&st, o, flusher, st.rows, o.params, &pool, &out);
-  if (o.cold && o.cold_mode != Options::ColdMode::kLayers) {
+  if (o.cold && (o.cold_mode == Options::ColdMode::kFlush || st.flush_after)) {
     // B's blocks where its tables differ from A's (--vs=tables=).
     for (int64_t l = 0; l < st.layers; ++l) {
       flusher->Flush(*st.cache, st.vs_rows, l, /*read=*/false);
