@@ -64,9 +64,8 @@ struct AttentionParams {
   // gates (since session 33: bf16 and fp16 rows of 1024-8192 keys then
   // took 0.95-0.98x the time on one thread, fp32 0.98-0.99x, 0.99-1.00x on
   // two, where calls cycle over 1 GiB of layers). It changes no result.
-  // -1 (the default):
-  // this CPU's measured choice. On AMD (and Hygon) CPUs every item of
-  // every call (0 and 0): on Zen 5, call by call, calls of 256 MiB and
+  // -1 (the default): this CPU's measured choice. On AMD (and Hygon) CPUs every
+  // item of every call (0 and 0): on Zen 5, call by call, calls of 256 MiB and
   // more took 0.85-0.95x the time of no touch for bf16 and fp16 and 0.92-
   // 0.98x for fp32, calls of 4-64 MiB 0.94-1.02x, within noise (session
   // 14); fp8 caches, since their K and V passes by VDPBF16PS (session
@@ -183,8 +182,8 @@ struct AttentionParams {
   // (session 33: 0.92-0.99x the time at 4k-16k keys, batches 16-256, since
   // rows touch their blocks first), or at any length where the rows'
   // tables run in consecutive blocks (session 30; docs/attention.md).
-  // Prefill rows, fp8 caches and 8-token
-  // blocks: an item per (row, KV head). false: for A/B runs and tests.
+  // Prefill rows, fp8 caches and 8-token blocks: an item per (row, KV
+  // head). false: for A/B runs and tests.
   bool vllm_rows = true;
   // Whether the AVX-512 passes over a vLLM-layout cache prefetch each
   // line twice where they prefetch with prefetcht0 (prefetch kAuto on
