@@ -116,8 +116,10 @@ struct AttentionParams {
   // in 19 of 24 cases and 0.975-1.009x in the largest calls (context 8192
   // at batch 16, 4096 at 64), though 2% less warm (session 14;
   // docs/attention.md); in NHD rows (nhd_rows) kDot took 1.055-1.075x
-  // the time cold, 0.9x warm (session 19). kAuto: kWiden. Other queries
-  // and caches are unaffected.
+  // the time cold, 0.9x warm (session 19); in vLLM rows 1.024-1.052x cold
+  // whether its keys are prefetched 8, 12 or 16 KB ahead (session 34), so
+  // it is not held back by a prefetch tuned for the slower pass. kAuto:
+  // kWiden. Other queries and caches are unaffected.
   enum class Bf16Keys { kAuto, kDot, kWiden };
   Bf16Keys bf16_keys = Bf16Keys::kAuto;
   // Whether the AVX-512 build may use AMX (AMX-BF16: TDPBF16PS) where the
