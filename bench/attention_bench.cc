@@ -906,6 +906,14 @@ double TimedCall(Setup* st, const Options& o, CacheFlusher* flusher,
   return dt;
 }
 
+// Whether a case's cold calls find their lines flushed: by kFlush before
+// each call, or after each (Setup::flush_after). Such calls do not leave
+// their lines to the next calls' traffic, so the untimed first calls flush
+// theirs too.
+bool FlushesLines(const Options& o, const Setup& st) {
+  return o.cold && (o.cold_mode == Options::ColdMode::kFlush || st.flush_after);
+}
+
 // A case's first calls, untimed: one on layer 0 that must succeed, then,
 // where cold calls cycle over several layers, one on every layer, so that
 // timing starts in the steady state (the setup's fill of the layers left
@@ -921,7 +929,7 @@ void WarmUp(Setup* st, const Options& o, CacheFlusher* flusher,
   if (!o.CyclesLayers() || st->layers == 1) {
     // kLayers' one layer of 1 GiB or more leaves its lines to its next
     // call's own traffic.
-    if (o.cold_mode == Options::ColdMode::kFlush || st->flush_after) {
+    if (FlushesLines(o, *st)) {
       flusher->Flush(*st->cache, rows, 0, /*read=*/!flusher->lines());
     }
     return;
@@ -1054,7 +1062,7 @@ AbResult MeasureAb(DType dtype, int64_t ctx, int64_t batch, int threads,
   Tensor out;
   MustRun(PagedAttention(*st.cache, 0, st.q, st.vs_rows, o.vs, &pool, &out));
   WarmUp(&st, o, flusher, st.rows, o.params, &pool, &out);
-  if (o.cold && (o.cold_mode == Options::ColdMode::kFlush || st.flush_after)) {
+  if (FlushesLines(o, st)) {
     // B's blocks where its tables differ from A's (--vs=tables=).
     for (int64_t l = 0; l < st.layers; ++l) {
       flusher->Flush(*st.cache, st.vs_rows, l, /*read=*/false);
