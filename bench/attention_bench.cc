@@ -25,7 +25,7 @@
 //       [--dtype=bfloat16|float16|float32|fp8_e4m3|fp8_e5m2]
 //       [--context=N] [--batch=N] [--threads=N]
 //       [--kernel=v1|v2] [--isa=avx512|avx2|portable] [--kv_heads=8]
-//       [--prefill=N] [--warm] [--cold=layers|layers_flush|flush]
+//       [--prefill=N] [--warm] [--cold=layers|layers_flush|flush|lines]
 //       [--vs=isa=avx2|kernel=v1|kernel=v2|...]
 //       [--pool_mib=N]
 //       [--tables=random|sorted|sequential|descending|runs|churn|churn_runs]
@@ -89,7 +89,12 @@
 // took under layers, both before the kernel's row touch;
 // docs/attention.md, session 33); --cold=flush as sessions 8-27 measured,
 // the lines flushed and 32 MiB read before each call, which also leaves
-// the kernel's code and scratch cold (session 28).
+// the kernel's code and scratch cold (session 28); --cold=lines (session
+// 35) flushes the call's lines before it and nothing else, so that the
+// call finds its data in DRAM but its pages' TLB entries (as many as the
+// TLB holds) and page-table lines where the flush's own walks left them:
+// against --cold=layers it tells what a call's page walks cost from what
+// its data's placement costs (needs CLFLUSHOPT, and no --flush_mib).
 //
 // --vs=FLAG (any of --isa=, --kernel=, --prefetch=, --bf16_keys=, --amx=,
 // --fp8_dot=, --nhd_rows=, --vllm_rows=, --prefetch_l2=, --touch_min_mib=,
@@ -492,11 +497,18 @@ struct Options {
   //     hold that read, the code and scratch included, which a server's
   //     calls do not do (session 28: 1-3% of a small one-thread call's
   //     time, 5-12% of a two-thread batch-1 call's).
-  enum class ColdMode { kLayers, kLayersFlush, kFlush };
+  //   kLines: before each call its K/V lines are flushed (CLFLUSHOPT) and
+  //     nothing else: the flush walks every page of the call's blocks, so
+  //     the call finds its data in DRAM and its pages' translations warm
+  //     (session 35: the diagnostic that keeps page walks out of a call).
+  enum class ColdMode { kLayers, kLayersFlush, kFlush, kLines };
   ColdMode cold_mode = ColdMode::kLayers;
   // Whether cold calls cycle over layers (kLayers or kLayersFlush, and not
   // --warm).
-  bool CyclesLayers() const { return cold && cold_mode != ColdMode::kFlush; }
+  bool CyclesLayers() const {
+    return cold && (cold_mode == ColdMode::kLayers ||
+                    cold_mode == ColdMode::kLayersFlush);
+  }
   bool ab = false;  // --vs: time `vs` against `params` call by call
   AttentionParams vs;
   // The pool's polls (ThreadPool::set_finish_poll, set_idle_poll), for
@@ -884,14 +896,18 @@ Setup MakeSetup(DType dtype, int64_t ctx, int64_t batch, const Options& o) {
 }
 
 // Times one call of p on rows, cold (o.cold) as o.cold_mode says: kFlush
-// flushes before the call, kLayers calls the next layer, kLayersFlush too
-// and flushes its lines after the call (the flushes untimed).
+// flushes and reads before the call, kLines only flushes, kLayers calls the
+// next layer, kLayersFlush too and flushes its lines after the call (the
+// flushes untimed).
 double TimedCall(Setup* st, const Options& o, CacheFlusher* flusher,
                  const AttentionRows& rows, const AttentionParams& p,
                  ThreadPool* pool, Tensor* out) {
   const bool layers = o.CyclesLayers();
   const int64_t layer = layers ? st->next_layer : 0;
-  if (o.cold && !layers) flusher->Flush(*st->cache, rows);
+  if (o.cold && !layers) {
+    flusher->Flush(*st->cache, rows, 0,
+                   /*read=*/o.cold_mode != Options::ColdMode::kLines);
+  }
   const double t = Now();
   (void)PagedAttention(*st->cache, layer, st->q, rows, p, pool, out);
   const double dt = Now() - t;
@@ -906,12 +922,13 @@ double TimedCall(Setup* st, const Options& o, CacheFlusher* flusher,
   return dt;
 }
 
-// Whether a case's cold calls find their lines flushed: by kFlush before
-// each call, or after each (Setup::flush_after). Such calls do not leave
+// Whether a case's cold calls find their lines flushed: by kFlush or kLines
+// before each call, or after each (Setup::flush_after). Such calls do not leave
 // their lines to the next calls' traffic, so the untimed first calls flush
 // theirs too.
 bool FlushesLines(const Options& o, const Setup& st) {
-  return o.cold && (o.cold_mode == Options::ColdMode::kFlush || st.flush_after);
+  return o.cold && (o.cold_mode == Options::ColdMode::kFlush ||
+                    o.cold_mode == Options::ColdMode::kLines || st.flush_after);
 }
 
 // A case's first calls, untimed: one on layer 0 that must succeed, then,
@@ -1122,6 +1139,8 @@ int main(int argc, char** argv) {
       o.cold_mode = kvstep::Options::ColdMode::kLayersFlush;
     } else if (a == "--cold=flush") {
       o.cold_mode = kvstep::Options::ColdMode::kFlush;
+    } else if (a == "--cold=lines") {
+      o.cold_mode = kvstep::Options::ColdMode::kLines;
     } else if (a == "--no_baseline") {
       baseline = false;
     } else if (kvstep::ParseParamFlag(a, &o.params) ||
@@ -1235,6 +1254,11 @@ int main(int argc, char** argv) {
       o.cold_mode == kvstep::Options::ColdMode::kLayersFlush) {
     o.cold_mode = kvstep::Options::ColdMode::kFlush;
   }
+  // kLines without CLFLUSHOPT would be a warm call: its point is lost.
+  if (!flusher.lines() && o.cold_mode == kvstep::Options::ColdMode::kLines) {
+    std::fprintf(stderr, "--cold=lines needs CLFLUSHOPT and no --flush_mib\n");
+    return 2;
+  }
   if (baseline) {
     const double read1 = bw.Read(1, size_t{1} << 30, 5);
     const double read2 = bw.Read(2, size_t{1} << 30, 5);
@@ -1268,6 +1292,10 @@ int main(int argc, char** argv) {
         "as make %ld MiB, calls cycling over them, each layer's K/V lines "
         "flushed after its call, untimed)\n",
         static_cast<long>(kvstep::kStepBytes >> 20));
+  } else if (o.cold && o.cold_mode == kvstep::Options::ColdMode::kLines) {
+    std::printf(
+        "cold caches (before each call, untimed: the case's K/V lines "
+        "flushed, nothing else, so its pages' translations stay warm)\n");
   } else if (o.cold && flusher.lines()) {
     std::printf(
         "cold caches (before each call, untimed: the case's K/V lines "
