@@ -5,7 +5,8 @@
 // interleaved with the case's calls, at the same thread count (and, once at
 // the start, read and copy bandwidth over a warm 1 GiB buffer). Geometry:
 // 32 query heads over 8 KV heads (GQA 4; --kv_heads changes it), head 128,
-// block 16, random block tables (--tables changes them); the pool is
+// block 16 (--block_size=8|32 changes it), random block tables (--tables
+// changes them); the pool is
 // pre-touched and advised to use huge pages. The goal: >= 80% of read bandwidth
 // for contexts of 1k and longer.
 //
@@ -25,6 +26,7 @@
 //       [--dtype=bfloat16|float16|float32|fp8_e4m3|fp8_e5m2]
 //       [--context=N] [--batch=N] [--threads=N]
 //       [--kernel=v1|v2] [--isa=avx512|avx2|portable] [--kv_heads=8]
+//       [--block_size=16]
 //       [--prefill=N] [--warm] [--cold=layers|layers_flush|flush|lines]
 //       [--vs=isa=avx2|kernel=v1|kernel=v2|...]
 //       [--pool_mib=N]
@@ -430,7 +432,10 @@ struct Options {
   AttentionParams params;
   double seconds = 0.3;
   int64_t kv_heads = 8;  // of 32 query heads
-  int64_t prefill = 0;   // query tokens per row; 0: decode (one)
+  // Tokens a block (--block_size=): 8, 16 or 32, the kernel's sizes; the
+  // goal's grid is at 16, vLLM's default.
+  int64_t block_size = 16;
+  int64_t prefill = 0;  // query tokens per row; 0: decode (one)
   // The query's dtype (--query=); kInvalid: the cache's (bf16 for fp8).
   DType query = DType::kInvalid;
   // The pool's K+V size at least (MiB), the batch's blocks drawn at random
@@ -775,12 +780,12 @@ const std::vector<int64_t>& CachedChurnTables(int64_t num_blocks, int64_t batch,
 
 Setup MakeSetup(DType dtype, int64_t ctx, int64_t batch, const Options& o) {
   CacheConfig c;
-  c.block_size = 16;
+  c.block_size = o.block_size;
   c.num_kv_heads = o.kv_heads;
   c.head_size = 128;
   c.dtype = dtype;
   c.layout = o.layout;
-  const int64_t per_row = (ctx + 15) / 16;
+  const int64_t per_row = (ctx + c.block_size - 1) / c.block_size;
   const int64_t block_bytes =
       2 * c.block_size * c.num_kv_heads * c.head_size * DTypeSize(dtype);
   c.num_blocks = std::max(per_row * batch * (o.Churns() ? 5 : 4) / 4,
@@ -1173,6 +1178,12 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "--flush_mib must be at least 1\n");
         return 2;
       }
+    } else if (const char* v = value("--block_size=")) {
+      o.block_size = std::stoll(v);
+      if (o.block_size != 8 && o.block_size != 16 && o.block_size != 32) {
+        std::fprintf(stderr, "--block_size takes 8, 16 or 32\n");
+        return 2;
+      }
     } else if (const char* v = value("--kv_heads=")) {
       o.kv_heads = std::stoll(v);
       if (o.kv_heads < 1 || 32 % o.kv_heads != 0) {
@@ -1230,6 +1241,11 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  // ChurnTables simulates 16-token blocks.
+  if (o.Churns() && o.block_size != 16) {
+    std::fprintf(stderr, "--tables=churn and churn_runs take block 16 only\n");
+    return 2;
+  }
   for (kvstep::AttentionParams* p : {&o.params, &o.vs}) {
     if (!kvstep::IsaSupported(p->isa)) {
       std::fprintf(stderr, "this CPU has no %s\n", kvstep::IsaName(p->isa));
@@ -1273,10 +1289,11 @@ int main(int argc, char** argv) {
   }
   std::printf(
       "layout %s, %s, %s; 32 query heads over %ld KV heads, head 128, block "
-      "16, %s block tables",
+      "%ld, %s block tables",
       o.layout == kvstep::CacheLayout::kVllm ? "vllm" : "nhd",
       kvstep::Describe(o.params).c_str(), o.polls.Describe().c_str(),
-      static_cast<long>(o.kv_heads), kvstep::TablesName(o.tables));
+      static_cast<long>(o.kv_heads), static_cast<long>(o.block_size),
+      kvstep::TablesName(o.tables));
   if (o.run_blocks > 0) {
     std::printf(" (runs of %ld blocks)", static_cast<long>(o.run_blocks));
   }
