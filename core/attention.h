@@ -286,6 +286,12 @@ bool Fp8ToBf16ForTest(DType dtype, const uint8_t* src, int64_t n,
 void ExpForTest(AttentionParams::Isa isa, const float* x, int64_t n,
                 float* out);
 float ScalarExpForTest(float x);
+// The 16-lane K passes' choice of which tile of a block prefetches which
+// lines of each key chunk of the slice ahead (KeyTilePrefetchLines in
+// attention.cc), for a test that a block's tiles cover every line once.
+bool KeyTilePrefetchLinesForTest(int64_t bs, bool burst, int64_t tb,
+                                 int64_t first, int64_t t1, int64_t tile,
+                                 int64_t* l0, int64_t* l1);
 // How many fp16 or fp8 K or V passes of the AVX-512 build were redone by
 // conversion since the process started (an Inf or NaN in the cache of a
 // flagged layer, or a query too large for the passes' scaling).
