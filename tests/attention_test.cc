@@ -808,14 +808,15 @@ TEST(PagedAttention, WideTilesBlockSizesAndActivations) {
 // through a plain conversion (the AVX-512 passes by pairs would turn it
 // finite, and redo the pass), and a query that the pairs' 2^112 would
 // overflow is still exact. One row of 40 tokens, GQA 4, block sizes 16 (a
-// two-block sweep, then a partial block) and 32, the odd value at a token
-// of a whole block or of the partial one; decoding, or a prefill chunk of
-// its last 3 tokens (12 virtual heads, which unflagged would take the
-// value tiles, which do not check).
+// two-block sweep, then a partial block), 32 and 8 (two sweeps and a single
+// block, redone by the 8-wide pass), the odd value at a token of a whole
+// block or of the partial one; decoding, or a prefill chunk of its last 3
+// tokens (12 virtual heads, which unflagged would take the value tiles,
+// which do not check).
 TEST(PagedAttention, Fp16InfAndNanInTheCacheAndHugeQueries) {
   const int64_t D = 128, H = 8, KV = 2, G = H / KV, n = 40;
   const float inf = std::numeric_limits<float>::infinity();
-  for (int64_t bs : {16, 32}) {
+  for (int64_t bs : {16, 32, 8}) {
     for (int64_t tok : {5, 35}) {
       for (float odd : {inf, -inf, std::nanf(""), 0.0f}) {
         for (auto [key, nq] : {std::pair<bool, int64_t>{false, 1},
