@@ -686,39 +686,40 @@ TEST(PagedAttention, EveryPrefetchHint) {
 }
 
 // The 16-lane K passes' prefetch of the slice ahead, split among a block's
-// 16-token tiles (KeyTilePrefetchLines): whatever part of a block is in
-// range, the tiles that run must name every line of each key chunk of the
+// tiles of 16 or 8 tokens (KeyTilePrefetchLines): whatever part of a block is
+// in range, the tiles that run must name every line of each key chunk of the
 // next slice exactly once (spread), or the first tile all of them (burst,
 // fp32), and never a line outside the chunk. A gap would leave lines to be
 // fetched on demand and an overlap prefetch twice: neither changes a
 // result, so only this test sees it.
 TEST(PagedAttention, KeyTilesPrefetchEveryLineOfTheNextSliceOnce) {
-  constexpr int64_t kTile = 16;
-  for (const int64_t bs : {8, 16, 32}) {
-    const int64_t lines = bs / 4;
-    for (const bool burst : {false, true}) {
-      for (int64_t t0 = 0; t0 < bs; ++t0) {
-        for (int64_t t1 = t0 + 1; t1 <= bs; ++t1) {
-          SCOPED_TRACE(testing::Message()
-                       << "bs " << bs << " burst " << burst << " tokens [" << t0
-                       << ", " << t1 << ")");
-          const int64_t first = t0 / kTile * kTile;
-          std::vector<int> named(lines, 0);
-          int tiles = 0;
-          for (int64_t tb = first; tb < t1; tb += kTile) {
-            int64_t l0 = -1, l1 = -1;
-            if (!internal::KeyTilePrefetchLinesForTest(bs, burst, tb, first, t1,
-                                                       kTile, &l0, &l1)) {
-              continue;
+  for (const int64_t tile : {16, 8}) {
+    for (const int64_t bs : {8, 16, 32}) {
+      const int64_t lines = bs / 4;
+      for (const bool burst : {false, true}) {
+        for (int64_t t0 = 0; t0 < bs; ++t0) {
+          for (int64_t t1 = t0 + 1; t1 <= bs; ++t1) {
+            SCOPED_TRACE(testing::Message()
+                         << "tile " << tile << " bs " << bs << " burst "
+                         << burst << " tokens [" << t0 << ", " << t1 << ")");
+            const int64_t first = t0 / tile * tile;
+            std::vector<int> named(lines, 0);
+            int tiles = 0;
+            for (int64_t tb = first; tb < t1; tb += tile) {
+              int64_t l0 = -1, l1 = -1;
+              if (!internal::KeyTilePrefetchLinesForTest(bs, burst, tb, first,
+                                                         t1, tile, &l0, &l1)) {
+                continue;
+              }
+              ++tiles;
+              ASSERT_GE(l0, 0);
+              ASSERT_LE(l0, l1);
+              ASSERT_LE(l1, lines);
+              for (int64_t l = l0; l < l1; ++l) ++named[l];
             }
-            ++tiles;
-            ASSERT_GE(l0, 0);
-            ASSERT_LE(l0, l1);
-            ASSERT_LE(l1, lines);
-            for (int64_t l = l0; l < l1; ++l) ++named[l];
+            EXPECT_EQ(named, std::vector<int>(lines, 1));
+            if (burst) EXPECT_EQ(tiles, 1);
           }
-          EXPECT_EQ(named, std::vector<int>(lines, 1));
-          if (burst) EXPECT_EQ(tiles, 1);
         }
       }
     }
