@@ -167,8 +167,8 @@ struct AttentionParams {
   bool nhd_rows = true;
   // Whether the AVX-512 build takes a vLLM-layout cache's decode rows (one
   // query token) a row at a time, where the block size is a multiple of
-  // 16 and the cache is 16-bit or fp32: one item per row whose K pass reads
-  // each block's keys of every KV head (head_size * block_size elements a
+  // 16 or is 8 and the cache is 16-bit or fp32: one item per row whose K pass
+  // reads each block's keys of every KV head (head_size * block_size elements a
   // head, one after another: a contiguous run) in address order, before
   // each KV head's softmax and V pass; an item per (row, KV head) reads
   // one head's slice of each block and leaves the rest to later items.
@@ -184,8 +184,12 @@ struct AttentionParams {
   // (session 33: 0.92-0.99x the time at 4k-16k keys, batches 16-256, since
   // rows touch their blocks first), or at any length where the rows'
   // tables run in consecutive blocks (session 30; docs/attention.md).
-  // Prefill rows, fp8 caches and 8-token blocks: an item per (row, KV
-  // head). false: for A/B runs and tests.
+  // 8-token blocks (8-token key tiles) since session 36: calls took
+  // 0.84-0.93x the time on one thread (bf16, fp16, fp32; 1k and 4k keys,
+  // batches 1-64), 16-bit ones 0.92-1.01x on two, but fp32 1.00-1.04x on
+  // two at batches 16 and 64, so fp32 takes them on one thread only.
+  // Prefill rows and fp8 caches: an item per (row, KV head). false: for
+  // A/B runs and tests.
   bool vllm_rows = true;
   // Whether the AVX-512 passes over a vLLM-layout cache prefetch each
   // line twice where they prefetch with prefetcht0 (prefetch kAuto on

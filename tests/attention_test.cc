@@ -395,6 +395,9 @@ struct Case {
   bool vllm_rows = true;    // AttentionParams::vllm_rows
   bool prefetch_l2 = true;  // AttentionParams::prefetch_l2
   double scale = 0;         // AttentionParams::scale (0: 1 / sqrt(head_size))
+  // 2: a pool of two threads, used for any call (parallel_min_bytes 0);
+  // 1: the caller alone.
+  int threads = 2;
 };
 
 Case Make(CacheLayout layout, DType cache, DType act, int64_t heads,
@@ -558,7 +561,8 @@ void Check(const Case& k) {
     p.partition_size = 16;     // several partitions even for short contexts
     p.parallel_min_bytes = 0;  // both threads, however small the call
     Tensor out;
-    absl::Status s = PagedAttention(*cache, layer, query, rows, p, &pool, &out);
+    absl::Status s = PagedAttention(*cache, layer, query, rows, p,
+                                    k.threads == 2 ? &pool : nullptr, &out);
     ASSERT_TRUE(s.ok()) << s;
     ASSERT_EQ(out.dtype(), k.act);
     // vLLM's tolerances (atol 1e-3, rtol 1e-5; fp8 atol 1e-2) on the fp32
@@ -1334,8 +1338,10 @@ TEST(PagedAttention, NhdRowsOverEveryKvHead) {
 // (AttentionParams::vllm_rows, the AVX-512 build): bf16 (keys by VDPBF16PS
 // against a bf16 query, widened against an fp32 one), fp16 (split) and fp32
 // caches; GQA 4 (head 64, block 32: two key tiles a block), GQA 3 (head 80:
-// 10 chunks), GQA 8 (head 120: two head tiles a KV head), MHA (head 128);
-// block 8 and MQA take an item per KV head. A batch of decode rows only
+// 10 chunks), GQA 8 (head 120: two head tiles a KV head), MHA (head 128),
+// GQA 4 at block size 8 (8-token key tiles, one a block; fp32 values by
+// the 8-wide pass; fp32 rows on one thread only, so that shape also runs
+// on one); MQA takes an item per KV head. A batch of decode rows only
 // (contexts 1100 and 23, a block boundary, padding); a window of 600 that
 // starts keys mid-block; ALiBi. At 5000 keys, 16 heads over 4 KV heads
 // (320 KB of logits a row): fp32 by rows, 16-bit caches an item per KV
@@ -1356,10 +1362,15 @@ TEST(PagedAttention, VllmDecodeRowsOverEveryKvHead) {
     for (DType d : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
       for (DType act : {d, DType::kFloat32}) {
         for (bool rows : {true, false}) {
-          for (int64_t context : {1100, 5000, 9000}) {
-            // 5000 keys: 16 heads over 4 only; 9000: 8 over 2, block 32.
+          for (auto [context, threads] : {std::pair<int64_t, int>{1100, 2},
+                                          {1100, 1},
+                                          {5000, 2},
+                                          {9000, 2}}) {
+            // 5000 keys: 16 heads over 4 only; 9000: 8 over 2, block 32;
+            // one thread: block 8 only.
             if ((context == 5000) != (sh.kv_heads == 4) ||
-                (context == 9000 && (sh.block_size != 32 || act != d))) {
+                (context == 9000 && (sh.block_size != 32 || act != d)) ||
+                (threads == 1 && sh.block_size != 8)) {
               continue;
             }
             Case k = Make(CacheLayout::kVllm, d, act, sh.heads, sh.kv_heads);
@@ -1371,19 +1382,23 @@ TEST(PagedAttention, VllmDecodeRowsOverEveryKvHead) {
             k.alibi = sh.heads == 6;
             k.vllm_rows = rows;
             k.bf16_keys = AttentionParams::Bf16Keys::kDot;
+            k.threads = threads;
             const int64_t before = internal::VllmRowPasses();
             Check(k);
             if (HasFatalFailure()) return;
             // 16-bit: where the logits of every query head over the
             // longest row fit 256 KB, or 2 MiB in calls of at most 8 rows
-            // (Check's batch has 3).
+            // (Check's batch has 3). Block size 8: fp32 on one thread only.
             const bool fit = sh.heads * context * 4 <= int64_t{2} << 20;
+            const bool block =
+                sh.block_size % 16 == 0 ||
+                (sh.block_size == 8 && (d != DType::kFloat32 || threads == 1));
             EXPECT_EQ(internal::VllmRowPasses() > before,
-                      avx512 && rows && sh.kv_heads > 1 &&
-                          sh.block_size % 16 == 0 &&
+                      avx512 && rows && sh.kv_heads > 1 && block &&
                           (d == DType::kFloat32 || fit))
                 << DTypeName(d) << " heads " << sh.heads << " block "
-                << sh.block_size << " context " << context;
+                << sh.block_size << " context " << context << " threads "
+                << threads;
           }
         }
       }
