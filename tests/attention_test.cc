@@ -1339,8 +1339,9 @@ TEST(PagedAttention, NhdRowsOverEveryKvHead) {
 // against a bf16 query, widened against an fp32 one), fp16 (split) and fp32
 // caches; GQA 4 (head 64, block 32: two key tiles a block), GQA 3 (head 80:
 // 10 chunks), GQA 8 (head 120: two head tiles a KV head), MHA (head 128),
-// GQA 4 at block size 8 (8-token key tiles, one a block; fp32 values by
-// the 8-wide pass; fp32 rows on one thread only, so that shape also runs
+// GQA 4 and 8 at block size 8 (8-token key tiles, one a block; on one
+// thread 16-bit keys two blocks a tile, a partial block alone; fp32 values
+// by the 8-wide pass; fp32 rows on one thread only: those shapes also run
 // on one); MQA takes an item per KV head. A batch of decode rows only
 // (contexts 1100 and 23, a block boundary, padding); a window of 600 that
 // starts keys mid-block; ALiBi. At 5000 keys, 16 heads over 4 KV heads
@@ -1357,7 +1358,7 @@ TEST(PagedAttention, VllmDecodeRowsOverEveryKvHead) {
   };
   const Shape shapes[] = {{8, 2, 64, 32},  {6, 2, 80, 16}, {16, 2, 120, 16},
                           {2, 2, 128, 16}, {4, 1, 64, 16}, {8, 2, 64, 8},
-                          {16, 4, 64, 16}};
+                          {16, 2, 64, 8},  {16, 4, 64, 16}};
   for (const Shape& sh : shapes) {
     for (DType d : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
       for (DType act : {d, DType::kFloat32}) {
