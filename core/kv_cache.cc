@@ -98,6 +98,13 @@ void KvCache::CopyBlock(const KvCache& src, int64_t src_block,
 
 absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(
     const CacheConfig& config, Device* device) {
+  // The geometry (not the size: callers bound that, the engine by its
+  // limits), so that no caller gets a cache whose shape drops dims (a head
+  // size not a multiple of the vLLM layout's x) for writers to overrun.
+  if (absl::Status s = config.Validate(std::numeric_limits<int64_t>::max());
+      !s.ok()) {
+    return s;
+  }
   Shape key_shape, value_shape;
   if (config.layout == CacheLayout::kVllm) {
     const int64_t x = config.vllm_x();

@@ -67,6 +67,8 @@ struct CacheConfig {
 class KvCache {
  public:
   // Allocates (and pre-touches) every layer's K and V on `device`.
+  // INVALID_ARGUMENT where config.Validate finds the geometry wrong (the
+  // size is the caller's to bound).
   static absl::StatusOr<std::unique_ptr<KvCache>> Create(
       const CacheConfig& config, Device* device);
 

@@ -1011,6 +1011,7 @@ TEST(PagedAttention, Fp8SpecialBytesUnwrittenSlotsAndHugeQueries) {
             Tensor outs[2];
             const int64_t before = internal::ConvertingRedos();
             const int64_t dots = internal::Fp8DotPasses();
+            const int64_t row_passes = internal::VllmRowPasses();
             for (int k = 0; k < 2; ++k) {
               AttentionParams p;
               p.k_scale = 0.5f;
@@ -1032,10 +1033,18 @@ TEST(PagedAttention, Fp8SpecialBytesUnwrittenSlotsAndHugeQueries) {
             }
             // The K pass of each KV head ran by VDPBF16PS (or began to, and
             // found a special key byte), and for a bf16 query at block size
-            // 16 its V pass too.
+            // 16 its V pass too. There the row takes every KV head at once
+            // (vllm_rows): one K pass, then a V pass per KV head; a special
+            // key byte sends every head to its own item, whose K pass finds
+            // it again and is redone by conversion.
             const bool dot_values = act == DType::kBFloat16 && bs == 16;
+            const bool row = dot && bs == 16;
             EXPECT_EQ(internal::Fp8DotPasses() - dots,
-                      dot ? KV * (dot_values ? 2 : 1) : 0);
+                      row   ? 1 + KV * (odd == Odd::kKey ? 2 : 1)
+                      : dot ? KV * (dot_values ? 2 : 1)
+                            : 0);
+            EXPECT_EQ(internal::VllmRowPasses() - row_passes,
+                      row && odd != Odd::kKey ? 1 : 0);
             // A bf16 query's V pass rounds the weights to bf16 there: an
             // output moves by up to 2^-9 of the largest |value| (1 here).
             const double wtol =
@@ -1134,6 +1143,7 @@ TEST(PagedAttention, Fp8ByDotProductsMatchTheConvertingPasses) {
               Tensor outs[2];
               const int64_t redos = internal::ConvertingRedos();
               const int64_t dots = internal::Fp8DotPasses();
+              const int64_t row_passes = internal::VllmRowPasses();
               for (int k = 0; k < 2; ++k) {
                 AttentionParams p;
                 p.k_scale = kscale;
@@ -1149,11 +1159,16 @@ TEST(PagedAttention, Fp8ByDotProductsMatchTheConvertingPasses) {
                   Fp8DotSupported() && act == DType::kBFloat16 && D % 16 == 0;
               // One K pass per KV head (decoding, or the chunk's tokens
               // together), and for a bf16 query one V pass (block sizes 16
-              // and 32).
+              // and 32); a decode row there takes every KV head in one K
+              // pass (vllm_rows), then a V pass per KV head.
               const bool dot_values =
                   act == DType::kBFloat16 && (bs == 16 || bs == 32);
+              const bool row = dot && dot_values && ntok == 1;
               EXPECT_EQ(internal::Fp8DotPasses() - dots,
-                        dot ? KV * (dot_values ? 2 : 1) : 0);
+                        row   ? 1 + KV
+                        : dot ? KV * (dot_values ? 2 : 1)
+                              : 0);
+              EXPECT_EQ(internal::VllmRowPasses() - row_passes, row ? 1 : 0);
               // A bf16 query's V pass by VDPBF16PS rounds the weights to
               // bf16: an output moves by up to 2^-9 of the largest |value|.
               double vmax = 0;
@@ -1334,6 +1349,34 @@ TEST(PagedAttention, NhdRowsOverEveryKvHead) {
   EXPECT_EQ(internal::NhdRowPasses() > before, avx512);
 }
 
+// KvCache::Create checks the geometry itself (the engine validates before
+// it, other callers may not): the vLLM layout's key chunks of x = 16 / the
+// element size cannot hold an fp8 head of 120 dims (7.5 chunks), and a
+// writer would run past the tensor; the NHD layout can.
+TEST(KvCache, CreateRejectsAGeometryTheLayoutCannotHold) {
+  CacheConfig c;
+  c.num_blocks = 4;
+  c.num_layers = 1;
+  c.num_kv_heads = 2;
+  c.head_size = 120;
+  c.dtype = DType::kFp8E4M3;
+  c.layout = CacheLayout::kVllm;
+  absl::StatusOr<std::unique_ptr<KvCache>> cache =
+      KvCache::Create(c, CpuDevice());
+  ASSERT_FALSE(cache.ok());
+  EXPECT_EQ(cache.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(cache.status().message()),
+              HasSubstr("head_size 120"));
+  c.head_size = 128;
+  EXPECT_TRUE(KvCache::Create(c, CpuDevice()).ok());
+  c.head_size = 120;
+  c.layout = CacheLayout::kNhd;
+  EXPECT_TRUE(KvCache::Create(c, CpuDevice()).ok());
+  c.num_blocks = 0;
+  EXPECT_EQ(KvCache::Create(c, CpuDevice()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 // vLLM-layout decode rows read a block of every KV head at a time
 // (AttentionParams::vllm_rows, the AVX-512 build): bf16 (keys by VDPBF16PS
 // against a bf16 query, widened against an fp32 one), fp16 (split) and fp32
@@ -1342,7 +1385,9 @@ TEST(PagedAttention, NhdRowsOverEveryKvHead) {
 // GQA 4 and 8 at block size 8 (8-token key tiles, one a block; on one
 // thread 16-bit keys two blocks a tile, a partial block alone; fp32 values
 // by the 8-wide pass; fp32 rows on one thread only: those shapes also run
-// on one); MQA takes an item per KV head. A batch of decode rows only
+// on one); fp8 caches (keys and values by VDPBF16PS: a bf16 query, block
+// sizes 16 and 32; an fp32 query takes items); MQA takes an item per KV
+// head. A batch of decode rows only
 // (contexts 1100 and 23, a block boundary, padding); a window of 600 that
 // starts keys mid-block; ALiBi. At 5000 keys, 16 heads over 4 KV heads
 // (320 KB of logits a row): fp32 by rows, 16-bit caches an item per KV
@@ -1360,8 +1405,11 @@ TEST(PagedAttention, VllmDecodeRowsOverEveryKvHead) {
                           {2, 2, 128, 16}, {4, 1, 64, 16}, {8, 2, 64, 8},
                           {16, 2, 64, 8},  {16, 4, 64, 16}};
   for (const Shape& sh : shapes) {
-    for (DType d : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
-      for (DType act : {d, DType::kFloat32}) {
+    for (DType d : {DType::kBFloat16, DType::kFloat16, DType::kFloat32,
+                    DType::kFp8E4M3, DType::kFp8E5M2}) {
+      const bool fp8 = d == DType::kFp8E4M3 || d == DType::kFp8E5M2;
+      const DType own = fp8 ? DType::kBFloat16 : d;  // the usual query
+      for (DType act : {own, DType::kFloat32}) {
         for (bool rows : {true, false}) {
           for (auto [context, threads] : {std::pair<int64_t, int>{1100, 2},
                                           {1100, 1},
@@ -1369,9 +1417,16 @@ TEST(PagedAttention, VllmDecodeRowsOverEveryKvHead) {
                                           {9000, 2}}) {
             // 5000 keys: 16 heads over 4 only; 9000: 8 over 2, block 32;
             // one thread: block 8 only.
+            // fp8: 1100 keys (its rows share the gates with 16-bit
+            // caches), head sizes in steps of its vLLM layout's x = 16,
+            // rows only (the fp8 tests above check the per-head items),
+            // and e5m2 with a bf16 query only (it differs from e4m3 in its
+            // lookup tables).
             if ((context == 5000) != (sh.kv_heads == 4) ||
-                (context == 9000 && (sh.block_size != 32 || act != d)) ||
-                (threads == 1 && sh.block_size != 8)) {
+                (context == 9000 && (sh.block_size != 32 || act != own)) ||
+                (threads == 1 && sh.block_size != 8) ||
+                (fp8 && (context != 1100 || sh.head_size % 16 != 0 || !rows ||
+                         (d == DType::kFp8E5M2 && act != own)))) {
               continue;
             }
             Case k = Make(CacheLayout::kVllm, d, act, sh.heads, sh.kv_heads);
@@ -1391,9 +1446,14 @@ TEST(PagedAttention, VllmDecodeRowsOverEveryKvHead) {
             // longest row fit 256 KB, or 2 MiB in calls of at most 8 rows
             // (Check's batch has 3). Block size 8: fp32 on one thread only.
             const bool fit = sh.heads * context * 4 <= int64_t{2} << 20;
+            // fp8: keys and values by VDPBF16PS only (a bf16 query, head
+            // sizes in steps of 16, block sizes 16 and 32).
             const bool block =
-                sh.block_size % 16 == 0 ||
-                (sh.block_size == 8 && (d != DType::kFloat32 || threads == 1));
+                fp8 ? sh.block_size % 16 == 0 && sh.head_size % 16 == 0 &&
+                          act == DType::kBFloat16 && Fp8DotSupported()
+                    : sh.block_size % 16 == 0 ||
+                          (sh.block_size == 8 &&
+                           (d != DType::kFloat32 || threads == 1));
             EXPECT_EQ(internal::VllmRowPasses() > before,
                       avx512 && rows && sh.kv_heads > 1 && block &&
                           (d == DType::kFloat32 || fit))
