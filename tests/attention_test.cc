@@ -1022,9 +1022,10 @@ TEST(PagedAttention, Fp8SpecialBytesUnwrittenSlotsAndHugeQueries) {
                   PagedAttention(*cache, 0, q, rows, p, nullptr, &outs[k])
                       .ok());
             }
-            // Values of block size 8 always take the 8-wide pass.
+            // Values of block size 8 take the 8-wide pass unless by
+            // VDPBF16PS.
             const bool redo = odd == Odd::kKey ||
-                              (odd == Odd::kValue && bs != 8) ||
+                              (odd == Odd::kValue && (bs != 8 || dot)) ||
                               (odd == Odd::kQuery && !dot);
             if (redo) {
               EXPECT_GT(internal::ConvertingRedos(), before);
@@ -1032,13 +1033,13 @@ TEST(PagedAttention, Fp8SpecialBytesUnwrittenSlotsAndHugeQueries) {
               EXPECT_EQ(internal::ConvertingRedos(), before);
             }
             // The K pass of each KV head ran by VDPBF16PS (or began to, and
-            // found a special key byte), and for a bf16 query at block size
-            // 16 its V pass too. There the row takes every KV head at once
-            // (vllm_rows): one K pass, then a V pass per KV head; a special
-            // key byte sends every head to its own item, whose K pass finds
-            // it again and is redone by conversion.
-            const bool dot_values = act == DType::kBFloat16 && bs == 16;
-            const bool row = dot && bs == 16;
+            // found a special key byte), and for a bf16 query its V pass
+            // too. The row takes every KV head at once (vllm_rows): one K
+            // pass, then a V pass per KV head; a special key byte sends
+            // every head to its own item, whose K pass finds it again and
+            // is redone by conversion.
+            const bool dot_values = act == DType::kBFloat16;
+            const bool row = dot;
             EXPECT_EQ(internal::Fp8DotPasses() - dots,
                       row   ? 1 + KV * (odd == Odd::kKey ? 2 : 1)
                       : dot ? KV * (dot_values ? 2 : 1)
@@ -1158,11 +1159,10 @@ TEST(PagedAttention, Fp8ByDotProductsMatchTheConvertingPasses) {
               const bool dot =
                   Fp8DotSupported() && act == DType::kBFloat16 && D % 16 == 0;
               // One K pass per KV head (decoding, or the chunk's tokens
-              // together), and for a bf16 query one V pass (block sizes 16
-              // and 32); a decode row there takes every KV head in one K
-              // pass (vllm_rows), then a V pass per KV head.
-              const bool dot_values =
-                  act == DType::kBFloat16 && (bs == 16 || bs == 32);
+              // together), and for a bf16 query one V pass; a decode row
+              // takes every KV head in one K pass (vllm_rows), then a V
+              // pass per KV head.
+              const bool dot_values = act == DType::kBFloat16;
               const bool row = dot && dot_values && ntok == 1;
               EXPECT_EQ(internal::Fp8DotPasses() - dots,
                         row   ? 1 + KV
@@ -1385,10 +1385,9 @@ TEST(KvCache, CreateRejectsAGeometryTheLayoutCannotHold) {
 // GQA 4 and 8 at block size 8 (8-token key tiles, one a block; on one
 // thread 16-bit keys two blocks a tile, a partial block alone; fp32 values
 // by the 8-wide pass; fp32 rows on one thread only: those shapes also run
-// on one); fp8 caches (keys and values by VDPBF16PS: a bf16 query, block
-// sizes 16 and 32; an fp32 query takes items); MQA takes an item per KV
-// head. A batch of decode rows only
-// (contexts 1100 and 23, a block boundary, padding); a window of 600 that
+// on one); fp8 caches (keys and values by VDPBF16PS: a bf16 query; an fp32
+// query takes items); MQA takes an item per KV head. A batch of decode rows
+// only (contexts 1100 and 23, a block boundary, padding); a window of 600 that
 // starts keys mid-block; ALiBi. At 5000 keys, 16 heads over 4 KV heads
 // (320 KB of logits a row): fp32 by rows, 16-bit caches an item per KV
 // head (rows only up to 256 KB). At 9000 keys, 8 heads over 2: fp32 in two
@@ -1447,10 +1446,10 @@ TEST(PagedAttention, VllmDecodeRowsOverEveryKvHead) {
             // (Check's batch has 3). Block size 8: fp32 on one thread only.
             const bool fit = sh.heads * context * 4 <= int64_t{2} << 20;
             // fp8: keys and values by VDPBF16PS only (a bf16 query, head
-            // sizes in steps of 16, block sizes 16 and 32).
+            // sizes in steps of 16).
             const bool block =
-                fp8 ? sh.block_size % 16 == 0 && sh.head_size % 16 == 0 &&
-                          act == DType::kBFloat16 && Fp8DotSupported()
+                fp8 ? sh.head_size % 16 == 0 && act == DType::kBFloat16 &&
+                          Fp8DotSupported()
                     : sh.block_size % 16 == 0 ||
                           (sh.block_size == 8 &&
                            (d != DType::kFloat32 || threads == 1));
