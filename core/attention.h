@@ -51,7 +51,8 @@ struct AttentionParams {
   Kernel kernel = Kernel::kAuto;
   int64_t partition_size = 512;
   // Calls that read less K/V than this (bytes, times the query tokens of
-  // each row) run on the calling thread alone, pool or not: below it a
+  // each row; fp8 bytes count twice, their arithmetic being a 16-bit
+  // element's) run on the calling thread alone, pool or not: below it a
   // woken thread cost more than it saved (docs/attention.md). 0: always
   // use the pool (tests of the threaded paths).
   int64_t parallel_min_bytes = int64_t{4} << 20;

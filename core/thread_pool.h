@@ -58,6 +58,12 @@ class ThreadPool {
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
+  // How many ParallelFor calls have handed items to the workers (those of
+  // n >= 2 on a pool with workers): for tests of who runs on the pool.
+  int64_t jobs() const {
+    MutexLock lock(&mu_);
+    return generation_;
+  }
   void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn);
 
   // See kDefaultFinishPoll; takes effect from the next ParallelFor.
@@ -97,7 +103,7 @@ class ThreadPool {
   PollTime finish_poll_{kDefaultFinishPoll};
   PollTime idle_poll_{kDefaultIdlePoll};
   Mutex call_mu_;  // one ParallelFor at a time
-  Mutex mu_;
+  mutable Mutex mu_;
   std::condition_variable cv_;       // workers wait for a generation
   std::condition_variable done_cv_;  // the caller waits for workers
   int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;

@@ -1472,6 +1472,45 @@ TEST(PagedAttention, VllmDecodeRowsOverEveryKvHead) {
   EXPECT_EQ(internal::VllmRowPasses(), before);
 }
 
+// Calls under parallel_min_bytes (4 MiB by default) of K/V run on the
+// caller alone, pool or not; fp8 bytes count twice (a 16-bit element's
+// arithmetic each). Decode rows of 8 KV heads x head 128 (zero caches:
+// only who runs is checked): bf16 at 512 keys (2 MiB) and fp8 at 512 (1
+// MiB, as 2) on the caller, fp8 at 1024 (2 MiB, as 4) and bf16 at 1024 on
+// the pool.
+TEST(PagedAttention, SmallCallsRunOnTheCallerFp8BytesCountTwice) {
+  struct Call {
+    DType dtype;
+    int64_t keys;
+    bool pool;
+  };
+  const Call calls[] = {{DType::kBFloat16, 512, false},
+                        {DType::kFp8E4M3, 512, false},
+                        {DType::kFp8E4M3, 1024, true},
+                        {DType::kBFloat16, 1024, true}};
+  ThreadPool pool(2);
+  for (const Call& k : calls) {
+    const int64_t bs = 16, width = k.keys / bs;
+    auto cache = SmallCache(k.dtype, width, bs, 8, 128);
+    AttentionRows rows;
+    rows.num_real = 1;
+    rows.width = width;
+    rows.query_start = {0, 1};
+    rows.seq_lens = {k.keys};
+    rows.block_tables.resize(width);
+    std::iota(rows.block_tables.begin(), rows.block_tables.end(), 0);
+    const Tensor q =
+        *Tensor::Zeros(CpuDevice(), DType::kBFloat16, {1, 32, 128});
+    const int64_t jobs = pool.jobs();
+    Tensor out;
+    const absl::Status s =
+        PagedAttention(*cache, 0, q, rows, AttentionParams(), &pool, &out);
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(pool.jobs() > jobs, k.pool)
+        << DTypeName(k.dtype) << ", " << k.keys << " keys";
+  }
+}
+
 // Which 16-bit decode calls take rows over every KV head: logits of up to
 // 256 KB a row in any call, up to 2 MiB in calls of at most 8 rows
 // (AttentionParams::vllm_rows; timed in docs/attention.md, session 28) or
