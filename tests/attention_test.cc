@@ -932,10 +932,11 @@ TEST(PagedAttention, Fp16InfAndNanInTheCacheAndHugeQueries) {
 // or bf16 query that the converting pass's scaling by 2^56 or 2^60 would
 // overflow (which must send that pass to the redo too, but not the
 // VDPBF16PS one, which does not scale the query). fp32, bf16 and fp16
-// queries (bf16 takes LogitsFp8Dot where the CPU has VBMI). One
-// decode row of 40 tokens, GQA 4, block sizes 16 (16-token key tiles,
-// 16-lane values) and 8 (8-token key tiles, 8-wide values); token 21 is a
-// whole block's in both.
+// queries (bf16 takes the VDPBF16PS passes where the CPU has VBMI, over
+// every KV head of the row at once). One decode row of 40 tokens, GQA 4,
+// block sizes 16 (16-token key tiles, 16-lane values) and 8 (two blocks a
+// key tile, or 8-token tiles; values by VDPBF16PS, or 8-wide); the special
+// byte at token 21 or 29, a whole block's in both.
 TEST(PagedAttention, Fp8SpecialBytesUnwrittenSlotsAndHugeQueries) {
   if (!IsaSupported(AttentionParams::Isa::kAvx512)) {
     GTEST_SKIP() << "no AVX-512 on this CPU: the portable build is the only "
@@ -990,9 +991,12 @@ TEST(PagedAttention, Fp8SpecialBytesUnwrittenSlotsAndHugeQueries) {
                                 Activations(DType::kFloat32, {n, KV, D}, vraw),
                                 slots, 0.5f, 0.25f)
                     .ok());
-            // Token 21 (a whole block's, in both block sizes), KV head 1,
-            // dim 19 (the second 16-dim chunk of keys).
-            const int64_t tok = 21, b = rows.block_tables[tok / bs];
+            // Token 21, or 29 for the other special bytes (whole blocks'
+            // in both block sizes; at block size 8 on one thread, the
+            // first and the second block of a two-block key tile), KV
+            // head 1, dim 19 (the second 16-dim chunk of keys).
+            const int64_t tok = special == specials[0] ? 21 : 29;
+            const int64_t b = rows.block_tables[tok / bs];
             if (odd == Odd::kKey) {
               static_cast<uint8_t*>(cache->key(0).raw_data())
                   [(((b * KV + 1) * (D / 16) + 19 / 16) * bs + tok % bs) * 16 +
