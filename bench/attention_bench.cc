@@ -128,10 +128,12 @@
 #include <immintrin.h>
 #endif
 
+#include "absl/status/statusor.h"
 #include "core/attention.h"
 #include "core/block_allocator.h"
 #include "core/device.h"
 #include "core/float_convert.h"
+#include "core/kv_cache.h"
 #include "core/sequence_manager.h"
 
 namespace kvstep {
@@ -791,10 +793,15 @@ Setup MakeSetup(DType dtype, int64_t ctx, int64_t batch, const Options& o) {
   c.num_blocks = std::max(per_row * batch * (o.Churns() ? 5 : 4) / 4,
                           (o.pool_mib << 20) / block_bytes);
   const int64_t layer_bytes = c.num_blocks * block_bytes;
-  c.num_layers = o.CyclesLayers()
-                     ? std::max<int64_t>(
-                           1, (CycleBytes(o) + layer_bytes - 1) / layer_bytes)
-                     : 1;
+  // At most CacheConfig::kMaxLayers: the smallest cases (bf16 128 x 1,
+  // 512 KB a layer) then cycle over 512 MiB, fp8 ones or fewer KV heads
+  // over less, and a cycle that reads under half of CycleBytes flushes
+  // each call's lines after it (flush_after), which says so below.
+  c.num_layers =
+      o.CyclesLayers()
+          ? std::clamp<int64_t>((CycleBytes(o) + layer_bytes - 1) / layer_bytes,
+                                1, CacheConfig::kMaxLayers)
+          : 1;
   Setup st;
   st.layers = c.num_layers;
   const int64_t call_bytes = per_row * batch * block_bytes;
@@ -810,7 +817,16 @@ Setup MakeSetup(DType dtype, int64_t ctx, int64_t batch, const Options& o) {
         static_cast<long>(batch), static_cast<long>(c.num_layers),
         static_cast<long>((c.num_layers * call_bytes) >> 20));
   }
-  st.cache = *KvCache::Create(c, CpuDevice());
+  absl::StatusOr<std::unique_ptr<KvCache>> cache_or =
+      KvCache::Create(c, CpuDevice());
+  if (!cache_or.ok()) {
+    std::fprintf(stderr, "%s context %ld batch %ld: %s\n",
+                 std::string(DTypeName(dtype)).c_str(), static_cast<long>(ctx),
+                 static_cast<long>(batch),
+                 std::string(cache_or.status().message()).c_str());
+    std::exit(2);
+  }
+  st.cache = *std::move(cache_or);
   KvCache& cache = *st.cache;
   for (int64_t l = 0; l < c.num_layers; ++l) {
     std::memset(cache.key(l).raw_data(), 0x11, cache.key(l).nbytes());

@@ -42,6 +42,9 @@ struct CacheConfig {
   DType dtype = DType::kFloat16;
   CacheLayout layout = CacheLayout::kVllm;
 
+  // The most layers Validate accepts.
+  static constexpr int64_t kMaxLayers = 1024;
+
   // Checks the geometry: positive sizes, a float cache dtype, head_size
   // divisible by x for the vLLM layout, block ids fitting int32, and the
   // whole cache under `max_bytes`. INVALID_ARGUMENT naming the field.
