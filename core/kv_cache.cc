@@ -32,8 +32,9 @@ absl::Status CacheConfig::Validate(int64_t max_bytes) const {
   constexpr int64_t kI32 = std::numeric_limits<int32_t>::max();
   if (auto s = positive(num_blocks, "num_blocks", kI32); !s.ok()) return s;
   if (auto s = positive(block_size, "block_size", 1024); !s.ok()) return s;
-  if (auto s = positive(num_layers, "num_layers", kMaxLayers); !s.ok())
+  if (auto s = positive(num_layers, "num_layers", kMaxLayers); !s.ok()) {
     return s;
+  }
   if (auto s = positive(num_kv_heads, "num_kv_heads", 4096); !s.ok()) return s;
   if (auto s = positive(head_size, "head_size", 4096); !s.ok()) return s;
   if (dtype != DType::kFloat32 && dtype != DType::kFloat16 &&

@@ -1599,7 +1599,7 @@ TEST(PagedAttention, VllmRowsPast256KbOnlyForFewRowsOneThreadOrRuns) {
 // 16, 16 and 7, so tiles that repeat heads, and AMX head groups padded to
 // 16) after 601 cached ones (several ranges, and a partial last block
 // whose unwritten slots hold NaN at every block size), GQA 4 and 3, block
-// sizes 8 (value tiles, never AMX; fp32's only there), 16 and 32, with and
+// sizes 8 (never AMX), 16 and 32, with and
 // without a window that starts keys mid-block (AMX key tiles of part of 16
 // tokens); fp16 also on a layer flagged as possibly holding Inf or NaN
 // (the pass by pairs with its check instead, never AMX). Then bf16 with
