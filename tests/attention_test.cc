@@ -1200,6 +1200,93 @@ TEST(PagedAttention, Fp8ByDotProductsMatchTheConvertingPasses) {
   }
 }
 
+// Prefill chunks of fp8 caches with bf16 queries take their values through
+// the 8-head value tiles by VDPBF16PS (ValuesTileFp8Z), over ranges of 16
+// or 32 blocks; checked against the converting passes (fp8_dot off) to the
+// bound above (the weights' rounding to bf16), which a wrong unit, lane,
+// block or weight would break. 39 query tokens (chunks of 16, 16 and 7:
+// tiles that repeat heads) after 562 cached ones (several ranges, a
+// partial last block whose unwritten slots hold NaN bytes), GQA 4 and 3,
+// block sizes 8, 16 and 32, with and without a window that starts the keys
+// mid-block (a partial first block, whose weights before the window's
+// first key lie outside the logits).
+TEST(PagedAttention, Fp8PrefillValueTilesMatchTheConvertingPasses) {
+  if (!IsaSupported(AttentionParams::Isa::kAvx512) || !Fp8DotSupported()) {
+    GTEST_SKIP() << "no AVX-512 BF16 and VBMI on this CPU: the fp8 "
+                    "VDPBF16PS passes do not run";
+  }
+  const int64_t n = 601, ntok = 39, D = 128;
+  const float kscale = 0.02f, vscale = 0.03f;
+  for (DType dtype : {DType::kFp8E4M3, DType::kFp8E5M2}) {
+    for (int64_t bs : {8, 16, 32}) {
+      for (auto [H, KV] : {std::pair<int64_t, int64_t>{8, 2}, {6, 2}}) {
+        for (int64_t window : {0, 307}) {
+          SCOPED_TRACE(::testing::Message()
+                       << DTypeName(dtype) << " block " << bs << " heads " << H
+                       << "/" << KV << " window " << window);
+          const int64_t width = (n + bs - 1) / bs;
+          const int64_t num_blocks = 2 * width + 1;
+          auto cache = SmallCache(dtype, num_blocks, bs, KV, D);
+          std::memset(cache->key(0).raw_data(), 0xff, cache->key(0).nbytes());
+          std::memset(cache->value(0).raw_data(), 0xff,
+                      cache->value(0).nbytes());
+          std::mt19937_64 rng(static_cast<uint64_t>(bs * 1000 + H + window));
+          std::uniform_real_distribution<float> uni(-1, 1);
+          std::uniform_int_distribution<int> exp2(-14, 0);
+          std::vector<float> kraw(n * KV * D), vraw(n * KV * D),
+              qraw(ntok * H * D);
+          for (auto* v : {&kraw, &vraw}) {
+            for (float& x : *v) x = std::ldexp(uni(rng), exp2(rng));
+          }
+          for (float& x : qraw) x = uni(rng);
+          std::vector<int64_t> perm(num_blocks);
+          std::iota(perm.begin(), perm.end(), 0);
+          std::shuffle(perm.begin(), perm.end(), rng);
+          perm.resize(width);
+          AttentionRows rows = OneDecodeRow(n, perm);
+          rows.query_start = {0, ntok};
+          const std::vector<int64_t> slots = RowSlots(rows, 0, bs);
+          ASSERT_TRUE(
+              ReshapeAndCache(*cache, 0,
+                              Activations(DType::kFloat32, {n, KV, D}, kraw),
+                              Activations(DType::kFloat32, {n, KV, D}, vraw),
+                              slots, kscale, vscale)
+                  .ok());
+          const Tensor q = Activations(DType::kBFloat16, {ntok, H, D}, qraw);
+          Tensor outs[2];
+          const int64_t dots = internal::Fp8DotPasses();
+          for (int k = 0; k < 2; ++k) {
+            AttentionParams p;
+            p.k_scale = kscale;
+            p.v_scale = vscale;
+            p.sliding_window = window;
+            p.isa = AttentionParams::Isa::kAvx512;
+            p.fp8_dot = k == 0;
+            ASSERT_TRUE(
+                PagedAttention(*cache, 0, q, rows, p, nullptr, &outs[k]).ok());
+          }
+          // A K and a V pass per chunk and KV head.
+          EXPECT_GE(internal::Fp8DotPasses() - dots, 2 * KV * 3);
+          double vmax = 0;
+          for (float x : vraw) {
+            vmax =
+                std::max<double>(vmax, std::fabs(Quantize(dtype, x, vscale)));
+          }
+          const double wtol = std::ldexp(vmax, -9);
+          const double ulp = std::ldexp(1.0, -7);
+          for (int64_t i = 0; i < ntok * H * D; ++i) {
+            const double got = Act(outs[0], i);
+            const double want = Act(outs[1], i);
+            ASSERT_TRUE(std::isfinite(got)) << "element " << i;
+            ASSERT_NEAR(got, want, 1e-6 + wtol + (1e-5 + ulp) * std::fabs(want))
+                << "element " << i;
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(PagedAttention, AlibiAndSlidingWindow) {
   for (bool alibi : {false, true}) {
     for (int64_t window : {0, 1, 7, 20}) {
