@@ -1750,6 +1750,23 @@ TEST(PagedAttention, PrefillChunksValueTiles) {
     if (HasFatalFailure()) return;
     if (AmxSupported()) EXPECT_GE(internal::AmxPasses() - before, 4);
   }
+  // The 16-bit tile of 4 heads x 4 units needs a block's units in fours:
+  // head 120 at block size 8 has 30 and takes 8 heads x 2, head 80 (20)
+  // takes 4 x 4.
+  for (int64_t hs : {120, 80}) {
+    for (DType cache : {DType::kBFloat16, DType::kFloat16}) {
+      Case k = Make(CacheLayout::kVllm, cache, cache, 8, 2);
+      k.head_size = hs;
+      k.block_size = 8;
+      k.prefill_context = 300;
+      k.prefill_tokens = 20;
+      k.window = 250;
+      k.amx = false;
+      k.seed = hs;
+      Check(k);
+      if (HasFatalFailure()) return;
+    }
+  }
 }
 
 // KvCache::MayHoldNonFinite: clear on a new cache, set per layer by a
