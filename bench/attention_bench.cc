@@ -344,9 +344,16 @@ std::string PrefetchWords(AttentionParams::Prefetch hint) {
 std::string Describe(const AttentionParams& p) {
   return std::string("kernel ") + KernelName(p.kernel) + ", " + IsaName(p.isa) +
          " instruction set, " + PrefetchWords(p.prefetch) + ", bf16 keys " +
-         (p.bf16_keys == AttentionParams::Bf16Keys::kDot     ? "by VDPBF16PS"
-          : p.bf16_keys == AttentionParams::Bf16Keys::kWiden ? "widened"
-                                                             : "auto") +
+         (p.bf16_keys == AttentionParams::Bf16Keys::kDot ? "by VDPBF16PS"
+          : p.bf16_keys == AttentionParams::Bf16Keys::kWiden
+              ? "widened"
+              : std::string(BestBf16Keys() == AttentionParams::Bf16Keys::kDot
+                                ? "by VDPBF16PS"
+                                : "widened") +
+                    (BestBf16Keys(/*chunks=*/true) ==
+                             AttentionParams::Bf16Keys::kDot
+                         ? " (prefill chunks by VDPBF16PS)"
+                         : "")) +
          (p.nhd_rows ? "" : ", NHD items per KV head") +
          (p.vllm_rows ? "" : ", vLLM decode items per KV head") +
          (p.prefetch_l2 ? "" : ", no second prefetch into L2") +
@@ -1272,11 +1279,8 @@ int main(int argc, char** argv) {
     if (p->isa == kvstep::AttentionParams::Isa::kBest) {
       p->isa = kvstep::BestIsa();
     }
-    // The prefetch hint stays kAuto: the kernel resolves it by the cache's
-    // dtype (Describe names both choices).
-    if (p->bf16_keys == kvstep::AttentionParams::Bf16Keys::kAuto) {
-      p->bf16_keys = kvstep::BestBf16Keys();
-    }
+    // The prefetch hint and bf16_keys stay kAuto: the kernel resolves them
+    // by the cache's dtype and by the call's rows (Describe names both).
   }
   kvstep::Bandwidth bw(baseline ? size_t{1} << 30 : 64 << 20);
   kvstep::CacheFlusher flusher(static_cast<size_t>(flush_mib));

@@ -330,6 +330,10 @@ std::atomic<int64_t> amx_passes{0};
 // fp8 K and V passes begun on VDPBF16PS, for tests: internal::Fp8DotPasses.
 std::atomic<int64_t> fp8_dot_passes{0};
 
+// vLLM-layout K passes of bf16 keys by VDPBF16PS (AttentionParams::
+// bf16_keys), for tests: internal::Bf16DotKeyPasses.
+std::atomic<int64_t> bf16_dot_key_passes{0};
+
 // NHD key segments read a whole row at a time (Attender::PartialRow), for
 // tests: internal::NhdRowPasses.
 std::atomic<int64_t> nhd_row_passes{0};
@@ -381,11 +385,14 @@ int64_t ResolveTouchMinBlocks(int64_t blocks) {
   return AmdVendor() ? 0 : 512;
 }
 
-// How a call multiplies bf16 keys by a bf16 query: kAuto resolved, the
-// same on every CPU measured (see AttentionParams::bf16_keys).
-AttentionParams::Bf16Keys ResolveBf16Keys(AttentionParams::Bf16Keys k) {
+// How a call multiplies bf16 keys by a bf16 query: kAuto resolved for
+// decode (kWiden on every CPU measured), or with `chunks` for prefill
+// chunks (kDot on AMD, kWiden elsewhere; see AttentionParams::bf16_keys).
+AttentionParams::Bf16Keys ResolveBf16Keys(AttentionParams::Bf16Keys k,
+                                          bool chunks = false) {
   if (k != AttentionParams::Bf16Keys::kAuto) return k;
-  return AttentionParams::Bf16Keys::kWiden;
+  return chunks && AmdVendor() ? AttentionParams::Bf16Keys::kDot
+                               : AttentionParams::Bf16Keys::kWiden;
 }
 
 // Whether the K tile of tokens [tb, tb + tile) of a block of bs tokens,
@@ -1445,8 +1452,8 @@ const char* PrefetchName(AttentionParams::Prefetch prefetch) {
   }
 }
 
-AttentionParams::Bf16Keys BestBf16Keys() {
-  return ResolveBf16Keys(AttentionParams::Bf16Keys::kAuto);
+AttentionParams::Bf16Keys BestBf16Keys(bool chunks) {
+  return ResolveBf16Keys(AttentionParams::Bf16Keys::kAuto, chunks);
 }
 
 bool ParsePrefetch(absl::string_view name, AttentionParams::Prefetch* out) {
@@ -1486,6 +1493,7 @@ int64_t ConvertingRedos() { return converting_redos.load(); }
 
 int64_t AmxPasses() { return amx_passes.load(); }
 int64_t Fp8DotPasses() { return fp8_dot_passes.load(); }
+int64_t Bf16DotKeyPasses() { return bf16_dot_key_passes.load(); }
 int64_t NhdRowPasses() { return nhd_row_passes.load(); }
 int64_t VllmRowPasses() { return vllm_row_passes.load(); }
 

@@ -119,8 +119,14 @@ struct AttentionParams {
   // docs/attention.md); in NHD rows (nhd_rows) kDot took 1.055-1.075x
   // the time cold, 0.9x warm (session 19); in vLLM rows 1.024-1.052x cold
   // whether its keys are prefetched 8, 12 or 16 KB ahead (session 34), so
-  // it is not held back by a prefetch tuned for the slower pass. kAuto:
-  // kWiden. Other queries and caches are unaffected.
+  // it is not held back by a prefetch tuned for the slower pass. Prefill
+  // chunks (2 or more query tokens, per-KV-head K passes), which are bound
+  // by their arithmetic, not the memory: on Zen 5 kWiden took 1.15-1.19x
+  // kDot's time (block sizes 8-32, chunks of 16-512 tokens at 2048 keys,
+  // one and two threads, MHA; session 39); the Intel Xeon's VDPBF16PS
+  // issues at half the FMAs' rate, so there kWiden stays. kAuto: kWiden
+  // for decode, and for prefill chunks kDot on AMD, kWiden elsewhere
+  // (BestBf16Keys). Other queries and caches are unaffected.
   enum class Bf16Keys { kAuto, kDot, kWiden };
   Bf16Keys bf16_keys = Bf16Keys::kAuto;
   // Whether the AVX-512 build may use AMX (AMX-BF16: TDPBF16PS) where the
@@ -227,8 +233,9 @@ bool AmxSupported();
 // Whether this CPU runs the fp8 VDPBF16PS passes (AttentionParams::
 // fp8_dot): the AVX-512 build and AVX512-VBMI.
 bool Fp8DotSupported();
-// What kAuto multiplies bf16 keys with on this CPU (never kAuto).
-AttentionParams::Bf16Keys BestBf16Keys();
+// What kAuto multiplies bf16 keys with on this CPU (never kAuto): in
+// decode, or with `chunks` in prefill chunks.
+AttentionParams::Bf16Keys BestBf16Keys(bool chunks = false);
 
 struct AttentionRows {
   std::vector<int64_t> query_start;   // [n + 1], from 0 to num_tokens
@@ -308,6 +315,10 @@ int64_t AmxPasses();
 // since the process started (one that met an Inf or NaN on a flagged layer
 // and was redone by conversion counts too).
 int64_t Fp8DotPasses();
+// How many K passes of the vLLM layout (per KV head, or decode rows over
+// every KV head) multiplied bf16 keys by VDPBF16PS (AttentionParams::
+// bf16_keys) since the process started.
+int64_t Bf16DotKeyPasses();
 // How many key segments of NHD rows were read a whole row at a time, over
 // all KV heads (AttentionParams::nhd_rows), since the process started.
 int64_t NhdRowPasses();

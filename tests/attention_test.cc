@@ -752,6 +752,62 @@ TEST(PagedAttention, Bf16KeysByDotProductsAndWidened) {
   }
 }
 
+// kAuto takes BestBf16Keys' choice for decode rows and BestBf16Keys(true)'s
+// for prefill chunks (VDPBF16PS on AMD, where the products bound the pass):
+// the K passes by VDPBF16PS are counted, and kAuto's outputs are bit for
+// bit those of the choice.
+TEST(PagedAttention, Bf16KeysAutoByCallKind) {
+  EXPECT_NE(BestBf16Keys(/*chunks=*/true), AttentionParams::Bf16Keys::kAuto);
+  if (!IsaSupported(AttentionParams::Isa::kAvx512)) {
+    GTEST_SKIP() << "no AVX-512 on this CPU: the bf16 key passes by "
+                    "VDPBF16PS are part of the AVX-512 build";
+  }
+  const int64_t n = 300, D = 128, H = 8, KV = 2, bs = 16;
+  const int64_t width = (n + bs - 1) / bs;
+  auto cache = SmallCache(DType::kBFloat16, width + 1, bs, KV, D);
+  std::mt19937_64 rng(39);
+  std::uniform_real_distribution<float> uni(-1, 1);
+  std::vector<float> kraw(n * KV * D), vraw(n * KV * D), qraw(20 * H * D);
+  for (auto* v : {&kraw, &vraw, &qraw}) {
+    for (float& x : *v) x = uni(rng);
+  }
+  std::vector<int64_t> table(width);
+  std::iota(table.begin(), table.end(), 1);
+  std::shuffle(table.begin(), table.end(), rng);
+  AttentionRows rows = OneDecodeRow(n, table);
+  ASSERT_TRUE(ReshapeAndCache(*cache, 0,
+                              Activations(DType::kFloat32, {n, KV, D}, kraw),
+                              Activations(DType::kFloat32, {n, KV, D}, vraw),
+                              RowSlots(rows, 0, bs), 1, 1)
+                  .ok());
+  for (int64_t ntok : {1, 20}) {
+    SCOPED_TRACE(::testing::Message() << "query tokens " << ntok);
+    rows.query_start = {0, ntok};
+    const Tensor q = Activations(
+        DType::kBFloat16, {ntok, H, D},
+        std::vector<float>(qraw.begin(), qraw.begin() + ntok * H * D));
+    const bool dot =
+        BestBf16Keys(/*chunks=*/ntok > 1) == AttentionParams::Bf16Keys::kDot;
+    std::vector<uint8_t> out[3];
+    const AttentionParams::Bf16Keys keys[3] = {
+        AttentionParams::Bf16Keys::kAuto, AttentionParams::Bf16Keys::kDot,
+        AttentionParams::Bf16Keys::kWiden};
+    for (int k = 0; k < 3; ++k) {
+      AttentionParams p;
+      p.isa = AttentionParams::Isa::kAvx512;
+      p.bf16_keys = keys[k];
+      const int64_t before = internal::Bf16DotKeyPasses();
+      Tensor o;
+      ASSERT_TRUE(PagedAttention(*cache, 0, q, rows, p, nullptr, &o).ok());
+      const bool by_dot = k == 1 || (k == 0 && dot);
+      EXPECT_EQ(internal::Bf16DotKeyPasses() > before, by_dot) << "keys " << k;
+      const auto* b = static_cast<const uint8_t*>(o.raw_data());
+      out[k].assign(b, b + o.nbytes());
+    }
+    EXPECT_TRUE(out[0] == out[dot ? 1 : 2]);
+  }
+}
+
 // The AVX-512 build's 16-lane tiles, both layouts (where the CPU has it;
 // the other builds run the same cases): 16-bit, fp32 and fp8 caches with
 // activations of the same or another dtype (bf16 keys against bf16
