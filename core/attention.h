@@ -108,24 +108,25 @@ struct AttentionParams {
   Prefetch prefetch = Prefetch::kAuto;
   // How the AVX-512 K pass multiplies bf16 keys by a bf16 query. kDot:
   // VDPBF16PS on the unscaled query (exact products, fp32 sums, the scale
-  // applied to the sums). kWiden: the keys split into even and odd dims as
-  // exact floats (a shift and a mask) against the scaled fp32 query, two
-  // FMAs per vector. kWiden took less time from cold caches, as a server's
-  // layers read K/V, on both CPUs measured: on the Intel Xeon (a zmm
-  // VDPBF16PS issues every 2 cycles against 2 FMAs a cycle) 2-5% less, 13-
-  // 14% warm (session 8); on Zen 5 kDot took 1.01-1.09x kWiden's time cold
-  // in 19 of 24 cases and 0.975-1.009x in the largest calls (context 8192
-  // at batch 16, 4096 at 64), though 2% less warm (session 14;
-  // docs/attention.md); in NHD rows (nhd_rows) kDot took 1.055-1.075x
-  // the time cold, 0.9x warm (session 19); in vLLM rows 1.024-1.052x cold
-  // whether its keys are prefetched 8, 12 or 16 KB ahead (session 34), so
-  // it is not held back by a prefetch tuned for the slower pass. Prefill
-  // chunks (2 or more query tokens, per-KV-head K passes), which are bound
-  // by their arithmetic, not the memory: on Zen 5 kWiden took 1.15-1.19x
-  // kDot's time (block sizes 8-32, chunks of 16-512 tokens at 2048 keys,
-  // one and two threads, MHA; session 39); the Intel Xeon's VDPBF16PS
-  // issues at half the FMAs' rate, so there kWiden stays. kAuto: kWiden
-  // for decode, and for prefill chunks kDot on AMD, kWiden elsewhere
+  // applied to the sums; it takes subnormal bf16 inputs, under 2^-126 in
+  // magnitude, as zeros: a product then moves by less than 2^-126 times its
+  // other factor). kWiden: the keys split into even and odd dims as exact
+  // floats (a shift and a mask) against the scaled fp32 query, two FMAs per
+  // vector. kWiden took less time from cold caches, as a server's layers read
+  // K/V, on both CPUs measured: on the Intel Xeon (a zmm VDPBF16PS issues every
+  // 2 cycles against 2 FMAs a cycle) 2-5% less, 13-14% warm (session 8); on
+  // Zen 5 kDot took 1.01-1.09x kWiden's time cold in 19 of 24 cases and
+  // 0.975-1.009x in the largest calls (context 8192 at batch 16, 4096 at 64),
+  // though 2% less warm (session 14; docs/attention.md); in NHD rows (nhd_rows)
+  // kDot took 1.055-1.075x the time cold, 0.9x warm (session 19); in vLLM
+  // rows 1.024-1.052x cold whether its keys are prefetched 8, 12 or 16 KB ahead
+  // (session 34), so it is not held back by a prefetch tuned for the slower
+  // pass. Prefill chunks (2 or more query tokens, per-KV-head K passes), which
+  // are bound by their arithmetic, not the memory: on Zen 5 kWiden
+  // took 1.15-1.19x kDot's time (block sizes 8-32, chunks of 16-512 tokens at
+  // 2048 keys, one and two threads, MHA; session 39); the Intel Xeon's
+  // VDPBF16PS issues at half the FMAs' rate, so there kWiden stays. kAuto:
+  // kWiden for decode, and for prefill chunks kDot on AMD, kWiden elsewhere
   // (BestBf16Keys). Other queries and caches are unaffected.
   enum class Bf16Keys { kAuto, kDot, kWiden };
   Bf16Keys bf16_keys = Bf16Keys::kAuto;
