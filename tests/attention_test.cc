@@ -1133,6 +1133,91 @@ TEST(PagedAttention, Fp8SpecialBytesUnwrittenSlotsAndHugeQueries) {
   }
 }
 
+// One row of n tokens in a fresh fp8 cache (k and v scales kFp8KScale and
+// kFp8VScale) whose unwritten slots hold NaN bytes (flagged: on a layer
+// flagged as possibly holding Inf or NaN), through a shuffled block table
+// of twice the blocks it needs, its last ntok tokens a query chunk. Keys
+// and values have magnitudes from 2^-14 up: fp8 values (over the scales)
+// from subnormal to near the largest normal, the lookup tables' every
+// region. Query elements in [-1, 1).
+constexpr float kFp8KScale = 0.02f, kFp8VScale = 0.03f;
+struct Fp8Row {
+  std::unique_ptr<KvCache> cache;
+  AttentionRows rows;
+  std::vector<float> vraw, qraw;
+};
+Fp8Row MakeFp8Row(DType dtype, int64_t n, int64_t ntok, int64_t bs, int64_t H,
+                  int64_t KV, int64_t D, bool flagged, uint64_t seed) {
+  Fp8Row r;
+  const int64_t width = (n + bs - 1) / bs;
+  const int64_t num_blocks = 2 * width + 1;
+  r.cache = SmallCache(dtype, num_blocks, bs, KV, D);
+  std::memset(r.cache->key(0).raw_data(), 0xff, r.cache->key(0).nbytes());
+  std::memset(r.cache->value(0).raw_data(), 0xff, r.cache->value(0).nbytes());
+  if (flagged) r.cache->NoteNonFinite(0);
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> uni(-1, 1);
+  std::uniform_int_distribution<int> exp2(-14, 0);
+  std::vector<float> kraw(n * KV * D);
+  r.vraw.resize(n * KV * D);
+  r.qraw.resize(ntok * H * D);
+  for (auto* v : {&kraw, &r.vraw}) {
+    for (float& x : *v) x = std::ldexp(uni(rng), exp2(rng));
+  }
+  for (float& x : r.qraw) x = uni(rng);
+  std::vector<int64_t> perm(num_blocks);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  perm.resize(width);
+  r.rows = OneDecodeRow(n, perm);
+  r.rows.query_start = {0, ntok};
+  EXPECT_TRUE(ReshapeAndCache(*r.cache, 0,
+                              Activations(DType::kFloat32, {n, KV, D}, kraw),
+                              Activations(DType::kFloat32, {n, KV, D}, r.vraw),
+                              RowSlots(r.rows, 0, bs), kFp8KScale, kFp8VScale)
+                  .ok());
+  return r;
+}
+
+// PagedAttention over r's row with query q and a sliding window: outs[0]
+// by the VDPBF16PS passes (fp8_dot), outs[1] by the converting ones.
+void RunFp8DotAndConverting(const Fp8Row& r, const Tensor& q, int64_t window,
+                            Tensor outs[2]) {
+  for (int k = 0; k < 2; ++k) {
+    AttentionParams p;
+    p.k_scale = kFp8KScale;
+    p.v_scale = kFp8VScale;
+    p.sliding_window = window;
+    p.isa = AttentionParams::Isa::kAvx512;
+    p.fp8_dot = k == 0;
+    ASSERT_TRUE(
+        PagedAttention(*r.cache, 0, q, r.rows, p, nullptr, &outs[k]).ok());
+  }
+}
+
+// outs[0] against outs[1] (RunFp8DotAndConverting), elementwise: finite,
+// and within 1e-6 + 1e-5 relative plus an ulp of the query dtype `act`,
+// plus with dot_values (a bf16 query's V pass by VDPBF16PS, which rounds
+// the weights to bf16) 2^-9 of the largest |value|.
+void ExpectDotNearConverting(const Tensor outs[2], const Fp8Row& r, DType dtype,
+                             DType act, bool dot_values) {
+  double vmax = 0;
+  for (float x : r.vraw) {
+    vmax = std::max<double>(vmax, std::fabs(Quantize(dtype, x, kFp8VScale)));
+  }
+  const double wtol = dot_values ? std::ldexp(vmax, -9) : 0.0;
+  const double ulp = act == DType::kFloat16    ? std::ldexp(1.0, -10)
+                     : act == DType::kBFloat16 ? std::ldexp(1.0, -7)
+                                               : 0.0;
+  for (int64_t i = 0; i < outs[0].numel(); ++i) {
+    const double got = Act(outs[0], i);
+    const double want = Act(outs[1], i);
+    ASSERT_TRUE(std::isfinite(got)) << "element " << i;
+    ASSERT_NEAR(got, want, 1e-6 + wtol + (1e-5 + ulp) * std::fabs(want))
+        << "element " << i;
+  }
+}
+
 // The fp8 passes by VDPBF16PS (LogitsFp8Dot and ValuesFp8Dot, for bf16
 // queries where the CPU has VBMI) against the
 // converting ones (fp8_dot off), on the same cache and query. The K passes
@@ -1153,7 +1238,6 @@ TEST(PagedAttention, Fp8ByDotProductsMatchTheConvertingPasses) {
                     "part of the AVX-512 build";
   }
   const int64_t n = 70;
-  const float kscale = 0.02f, vscale = 0.03f;
   for (DType dtype : {DType::kFp8E4M3, DType::kFp8E5M2}) {
     for (DType act : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
       for (int64_t bs : {8, 16, 32}) {
@@ -1168,53 +1252,16 @@ TEST(PagedAttention, Fp8ByDotProductsMatchTheConvertingPasses) {
                            << " block " << bs << " head " << D << " heads " << H
                            << "/" << KV << " tokens " << ntok << " flagged "
                            << flagged);
-              const int64_t width = (n + bs - 1) / bs;
-              const int64_t num_blocks = 2 * width + 1;
-              auto cache = SmallCache(dtype, num_blocks, bs, KV, D);
-              std::memset(cache->key(0).raw_data(), 0xff,
-                          cache->key(0).nbytes());
-              std::memset(cache->value(0).raw_data(), 0xff,
-                          cache->value(0).nbytes());
-              if (flagged) cache->NoteNonFinite(0);
-              std::mt19937_64 rng(static_cast<uint64_t>(bs * 1000 + D + ntok));
-              std::uniform_real_distribution<float> uni(-1, 1);
-              std::uniform_int_distribution<int> exp2(-14, 0);
-              std::vector<float> kraw(n * KV * D), vraw(n * KV * D),
-                  qraw(ntok * H * D);
-              // Magnitudes from 2^-14 up: fp8 values (over the scales)
-              // from subnormal to near the largest normal.
-              for (auto* v : {&kraw, &vraw}) {
-                for (float& x : *v) x = std::ldexp(uni(rng), exp2(rng));
-              }
-              for (float& x : qraw) x = uni(rng);
-              std::vector<int64_t> perm(num_blocks);
-              std::iota(perm.begin(), perm.end(), 0);
-              std::shuffle(perm.begin(), perm.end(), rng);
-              perm.resize(width);
-              AttentionRows rows = OneDecodeRow(n, perm);
-              rows.query_start = {0, ntok};
-              const std::vector<int64_t> slots = RowSlots(rows, 0, bs);
-              ASSERT_TRUE(ReshapeAndCache(
-                              *cache, 0,
-                              Activations(DType::kFloat32, {n, KV, D}, kraw),
-                              Activations(DType::kFloat32, {n, KV, D}, vraw),
-                              slots, kscale, vscale)
-                              .ok());
-              const Tensor q = Activations(act, {ntok, H, D}, qraw);
+              const Fp8Row r =
+                  MakeFp8Row(dtype, n, ntok, bs, H, KV, D, flagged,
+                             static_cast<uint64_t>(bs * 1000 + D + ntok));
+              const Tensor q = Activations(act, {ntok, H, D}, r.qraw);
               Tensor outs[2];
               const int64_t redos = internal::ConvertingRedos();
               const int64_t dots = internal::Fp8DotPasses();
               const int64_t row_passes = internal::VllmRowPasses();
-              for (int k = 0; k < 2; ++k) {
-                AttentionParams p;
-                p.k_scale = kscale;
-                p.v_scale = vscale;
-                p.isa = AttentionParams::Isa::kAvx512;
-                p.fp8_dot = k == 0;
-                ASSERT_TRUE(
-                    PagedAttention(*cache, 0, q, rows, p, nullptr, &outs[k])
-                        .ok());
-              }
+              RunFp8DotAndConverting(r, q, 0, outs);
+              if (HasFatalFailure()) return;
               EXPECT_EQ(internal::ConvertingRedos(), redos);
               const bool dot =
                   Fp8DotSupported() && act == DType::kBFloat16 && D % 16 == 0;
@@ -1229,25 +1276,8 @@ TEST(PagedAttention, Fp8ByDotProductsMatchTheConvertingPasses) {
                         : dot ? KV * (dot_values ? 2 : 1)
                               : 0);
               EXPECT_EQ(internal::VllmRowPasses() - row_passes, row ? 1 : 0);
-              // A bf16 query's V pass by VDPBF16PS rounds the weights to
-              // bf16: an output moves by up to 2^-9 of the largest |value|.
-              double vmax = 0;
-              for (float x : vraw) {
-                vmax = std::max<double>(vmax,
-                                        std::fabs(Quantize(dtype, x, vscale)));
-              }
-              const double wtol = dot_values ? std::ldexp(vmax, -9) : 0.0;
-              const double ulp = act == DType::kFloat16 ? std::ldexp(1.0, -10)
-                                 : act == DType::kBFloat16 ? std::ldexp(1.0, -7)
-                                                           : 0.0;
-              for (int64_t i = 0; i < ntok * H * D; ++i) {
-                const double got = Act(outs[0], i);
-                const double want = Act(outs[1], i);
-                ASSERT_TRUE(std::isfinite(got)) << "element " << i;
-                ASSERT_NEAR(got, want,
-                            1e-6 + wtol + (1e-5 + ulp) * std::fabs(want))
-                    << "element " << i;
-              }
+              ExpectDotNearConverting(outs, r, dtype, act, dot_values);
+              if (HasFatalFailure()) return;
             }
           }
         }
@@ -1273,7 +1303,6 @@ TEST(PagedAttention, Fp8PrefillValueTilesMatchTheConvertingPasses) {
                     "VDPBF16PS passes do not run";
   }
   const int64_t n = 601, ntok = 39, D = 128;
-  const float kscale = 0.02f, vscale = 0.03f;
   for (DType dtype : {DType::kFp8E4M3, DType::kFp8E5M2}) {
     for (int64_t bs : {8, 16, 32}) {
       for (auto [H, KV] : {std::pair<int64_t, int64_t>{8, 2}, {6, 2}}) {
@@ -1281,63 +1310,18 @@ TEST(PagedAttention, Fp8PrefillValueTilesMatchTheConvertingPasses) {
           SCOPED_TRACE(::testing::Message()
                        << DTypeName(dtype) << " block " << bs << " heads " << H
                        << "/" << KV << " window " << window);
-          const int64_t width = (n + bs - 1) / bs;
-          const int64_t num_blocks = 2 * width + 1;
-          auto cache = SmallCache(dtype, num_blocks, bs, KV, D);
-          std::memset(cache->key(0).raw_data(), 0xff, cache->key(0).nbytes());
-          std::memset(cache->value(0).raw_data(), 0xff,
-                      cache->value(0).nbytes());
-          std::mt19937_64 rng(static_cast<uint64_t>(bs * 1000 + H + window));
-          std::uniform_real_distribution<float> uni(-1, 1);
-          std::uniform_int_distribution<int> exp2(-14, 0);
-          std::vector<float> kraw(n * KV * D), vraw(n * KV * D),
-              qraw(ntok * H * D);
-          for (auto* v : {&kraw, &vraw}) {
-            for (float& x : *v) x = std::ldexp(uni(rng), exp2(rng));
-          }
-          for (float& x : qraw) x = uni(rng);
-          std::vector<int64_t> perm(num_blocks);
-          std::iota(perm.begin(), perm.end(), 0);
-          std::shuffle(perm.begin(), perm.end(), rng);
-          perm.resize(width);
-          AttentionRows rows = OneDecodeRow(n, perm);
-          rows.query_start = {0, ntok};
-          const std::vector<int64_t> slots = RowSlots(rows, 0, bs);
-          ASSERT_TRUE(
-              ReshapeAndCache(*cache, 0,
-                              Activations(DType::kFloat32, {n, KV, D}, kraw),
-                              Activations(DType::kFloat32, {n, KV, D}, vraw),
-                              slots, kscale, vscale)
-                  .ok());
-          const Tensor q = Activations(DType::kBFloat16, {ntok, H, D}, qraw);
+          const Fp8Row r =
+              MakeFp8Row(dtype, n, ntok, bs, H, KV, D, false,
+                         static_cast<uint64_t>(bs * 1000 + H + window));
+          const Tensor q = Activations(DType::kBFloat16, {ntok, H, D}, r.qraw);
           Tensor outs[2];
           const int64_t dots = internal::Fp8DotPasses();
-          for (int k = 0; k < 2; ++k) {
-            AttentionParams p;
-            p.k_scale = kscale;
-            p.v_scale = vscale;
-            p.sliding_window = window;
-            p.isa = AttentionParams::Isa::kAvx512;
-            p.fp8_dot = k == 0;
-            ASSERT_TRUE(
-                PagedAttention(*cache, 0, q, rows, p, nullptr, &outs[k]).ok());
-          }
+          RunFp8DotAndConverting(r, q, window, outs);
+          if (HasFatalFailure()) return;
           // A K and a V pass per chunk and KV head.
           EXPECT_GE(internal::Fp8DotPasses() - dots, 2 * KV * 3);
-          double vmax = 0;
-          for (float x : vraw) {
-            vmax =
-                std::max<double>(vmax, std::fabs(Quantize(dtype, x, vscale)));
-          }
-          const double wtol = std::ldexp(vmax, -9);
-          const double ulp = std::ldexp(1.0, -7);
-          for (int64_t i = 0; i < ntok * H * D; ++i) {
-            const double got = Act(outs[0], i);
-            const double want = Act(outs[1], i);
-            ASSERT_TRUE(std::isfinite(got)) << "element " << i;
-            ASSERT_NEAR(got, want, 1e-6 + wtol + (1e-5 + ulp) * std::fabs(want))
-                << "element " << i;
-          }
+          ExpectDotNearConverting(outs, r, dtype, DType::kBFloat16, true);
+          if (HasFatalFailure()) return;
         }
       }
     }
