@@ -1793,19 +1793,23 @@ TEST(PagedAttention, PrefillChunksValueTiles) {
   }
   // The 16-bit tile of 4 heads x 4 units needs a block's units in fours:
   // head 120 at block size 8 has 30 and takes 8 heads x 2, head 80 (20)
-  // takes 4 x 4.
+  // takes 4 x 4. Head sizes that are not multiples of 16 also take
+  // ReduceLanesZ's scalar tail, over lanes folded in pairs (FoldPairZ:
+  // fp32 at every block size, 16-bit at 16 and 32) or not (16-bit at 8).
   for (int64_t hs : {120, 80}) {
-    for (DType cache : {DType::kBFloat16, DType::kFloat16}) {
-      Case k = Make(CacheLayout::kVllm, cache, cache, 8, 2);
-      k.head_size = hs;
-      k.block_size = 8;
-      k.prefill_context = 300;
-      k.prefill_tokens = 20;
-      k.window = 250;
-      k.amx = false;
-      k.seed = hs;
-      Check(k);
-      if (HasFatalFailure()) return;
+    for (DType cache : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+      for (int64_t bs : {8, 16, 32}) {
+        Case k = Make(CacheLayout::kVllm, cache, cache, 8, 2);
+        k.head_size = hs;
+        k.block_size = bs;
+        k.prefill_context = 300;
+        k.prefill_tokens = 20;
+        k.window = 250;
+        k.amx = false;
+        k.seed = hs + bs;
+        Check(k);
+        if (HasFatalFailure()) return;
+      }
     }
   }
 }
