@@ -352,7 +352,7 @@ std::string Describe(const AttentionParams& p) {
                                 : "widened") +
                     (BestBf16Keys(/*chunks=*/true) ==
                              AttentionParams::Bf16Keys::kDot
-                         ? " (prefill chunks by VDPBF16PS)"
+                         ? " (vLLM-layout prefill chunks by VDPBF16PS)"
                          : "")) +
          (p.nhd_rows ? "" : ", NHD items per KV head") +
          (p.vllm_rows ? "" : ", vLLM decode items per KV head") +

@@ -386,8 +386,9 @@ int64_t ResolveTouchMinBlocks(int64_t blocks) {
 }
 
 // How a call multiplies bf16 keys by a bf16 query: kAuto resolved for
-// decode (kWiden on every CPU measured), or with `chunks` for prefill
-// chunks (kDot on AMD, kWiden elsewhere; see AttentionParams::bf16_keys).
+// decode and NHD prefill chunks (kWiden on every CPU measured), or with
+// `chunks` for vLLM-layout prefill chunks (kDot on AMD, kWiden elsewhere;
+// see AttentionParams::bf16_keys).
 AttentionParams::Bf16Keys ResolveBf16Keys(AttentionParams::Bf16Keys k,
                                           bool chunks = false) {
   if (k != AttentionParams::Bf16Keys::kAuto) return k;

@@ -121,13 +121,15 @@ struct AttentionParams {
   // kDot took 1.055-1.075x the time cold, 0.9x warm (session 19); in vLLM
   // rows 1.024-1.052x cold whether its keys are prefetched 8, 12 or 16 KB ahead
   // (session 34), so it is not held back by a prefetch tuned for the slower
-  // pass. Prefill chunks (2 or more query tokens, per-KV-head K passes), which
-  // are bound by their arithmetic, not the memory: on Zen 5 kWiden
+  // pass. Prefill chunks in the vLLM layout (2 or more query tokens,
+  // per-KV-head K passes), which are bound by their arithmetic, not the
+  // memory: on Zen 5 kWiden
   // took 1.15-1.19x kDot's time (block sizes 8-32, chunks of 16-512 tokens at
   // 2048 keys, one and two threads, MHA; session 39); the Intel Xeon's
   // VDPBF16PS issues at half the FMAs' rate, so there kWiden stays. kAuto:
-  // kWiden for decode, and for prefill chunks kDot on AMD, kWiden elsewhere
-  // (BestBf16Keys). Other queries and caches are unaffected.
+  // kWiden for decode, and for vLLM-layout prefill chunks kDot on AMD,
+  // kWiden elsewhere (BestBf16Keys); NHD prefill chunks (unmeasured) take
+  // decode's choice. Other queries and caches are unaffected.
   enum class Bf16Keys { kAuto, kDot, kWiden };
   Bf16Keys bf16_keys = Bf16Keys::kAuto;
   // Whether the AVX-512 build may use AMX (AMX-BF16: TDPBF16PS) where the
@@ -235,7 +237,8 @@ bool AmxSupported();
 // fp8_dot): the AVX-512 build and AVX512-VBMI.
 bool Fp8DotSupported();
 // What kAuto multiplies bf16 keys with on this CPU (never kAuto): in
-// decode, or with `chunks` in prefill chunks.
+// decode (and NHD prefill chunks), or with `chunks` in vLLM-layout prefill
+// chunks.
 AttentionParams::Bf16Keys BestBf16Keys(bool chunks = false);
 
 struct AttentionRows {
