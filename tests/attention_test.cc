@@ -1795,7 +1795,7 @@ TEST(PagedAttention, PrefillChunksValueTiles) {
   // head 120 at block size 8 has 30 and takes 8 heads x 2, head 80 (20)
   // takes 4 x 4. Head sizes that are not multiples of 16 also take
   // ReduceLanesZ's scalar tail, over lanes folded in pairs (FoldPairZ:
-  // fp32 at every block size, 16-bit at 16 and 32) or not (16-bit at 8).
+  // fp32 at every block size, 16-bit at 16 and 32; HAddZ: 16-bit at 8).
   for (int64_t hs : {120, 80}) {
     for (DType cache : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
       for (int64_t bs : {8, 16, 32}) {
