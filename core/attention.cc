@@ -236,6 +236,9 @@ struct Scratch {
                                 // AMX: weight tiles and carried sums
   LineVector<float> m, s, acc;  // a chunk's results (Partial's outputs)
   LineVector<float> part;       // rows: a key segment's acc, m and s
+  // Prefill value tiles: a range's values in the order the head tiles
+  // after the first read them (ValuesTile*'s staging).
+  LineVector<float> staged;
   // Where the vLLM value passes' weights start in `logits` (vLLM rows:
   // KV head h's, after the logits of heads 0 .. h - 1); 0 otherwise.
   int64_t logits_off = 0;
@@ -268,6 +271,7 @@ struct Scratch {
     f(self.s);
     f(self.acc);
     f(self.part);
+    f(self.staged);
     f(self.tiles);
   }
 };
