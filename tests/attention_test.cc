@@ -1326,6 +1326,21 @@ TEST(PagedAttention, Fp8PrefillValueTilesMatchTheConvertingPasses) {
       }
     }
   }
+  // A chunk of exactly 8 virtual heads (2 tokens, GQA 4): one head tile,
+  // which stages nothing for others to read.
+  for (int64_t bs : {8, 16, 32}) {
+    SCOPED_TRACE(::testing::Message() << "2 tokens, block " << bs);
+    const Fp8Row r = MakeFp8Row(DType::kFp8E4M3, n, 2, bs, 8, 2, D, false,
+                                static_cast<uint64_t>(bs));
+    const Tensor q = Activations(DType::kBFloat16, {2, 8, D}, r.qraw);
+    Tensor outs[2];
+    const int64_t dots = internal::Fp8DotPasses();
+    RunFp8DotAndConverting(r, q, 0, outs);
+    if (HasFatalFailure()) return;
+    EXPECT_GE(internal::Fp8DotPasses() - dots, 2 * 2);
+    ExpectDotNearConverting(outs, r, DType::kFp8E4M3, DType::kBFloat16, true);
+    if (HasFatalFailure()) return;
+  }
 }
 
 TEST(PagedAttention, AlibiAndSlidingWindow) {
@@ -1811,6 +1826,18 @@ TEST(PagedAttention, PrefillChunksValueTiles) {
         if (HasFatalFailure()) return;
       }
     }
+  }
+  // A chunk of exactly 8 virtual heads (2 tokens, GQA 4): fp32's one head
+  // tile, which stages nothing for others to read.
+  for (int64_t bs : {8, 16, 32}) {
+    Case k = Make(CacheLayout::kVllm, DType::kFloat32, DType::kFloat32, 8, 2);
+    k.head_size = 128;
+    k.block_size = bs;
+    k.prefill_context = 300;
+    k.prefill_tokens = 2;
+    k.seed = bs;
+    Check(k);
+    if (HasFatalFailure()) return;
   }
 }
 
