@@ -135,6 +135,7 @@
 #include "core/float_convert.h"
 #include "core/kv_cache.h"
 #include "core/sequence_manager.h"
+#include "core/traffic.h"
 
 namespace kvstep {
 namespace {
@@ -673,93 +674,51 @@ std::vector<int64_t> ChurnTables(int64_t num_blocks, int64_t batch, int64_t ctx,
   SequenceManager seqs(&alloc, /*host=*/nullptr, kBs,
                        /*max_seq_len=*/ctx + ctx / 2 + 1,
                        /*max_sequences=*/history + batch);
+  Traffic traffic(&seqs);
   std::mt19937_64 rng(1);
   auto uni = [&](int64_t lo, int64_t hi) {
     return std::uniform_int_distribution<int64_t>(lo, std::max(lo, hi))(rng);
   };
-  std::vector<SequenceGrowth> out;
-  // As a server's step would, marks the tokens as planned (num_tokens),
-  // which keeps Allocate's copy-on-write scan to the new ones. Growth
-  // within the blocks a sequence holds takes no call (Allocate would take
-  // no block; the tables come out the same): that is most steps of most
-  // sequences, whose calls were most of a large pool's replay (8192 keys
-  // x 256 rows: about 8 s of a 23 s case).
-  auto grow = [&](SeqId id, int64_t tokens) {
-    if (Sequence* q = seqs.Find(id);
-        q != nullptr &&
-        (tokens + kBs - 1) / kBs <= static_cast<int64_t>(q->blocks.size())) {
-      q->num_tokens = tokens;
-      return true;
-    }
-    out.clear();
-    if (!seqs.Allocate({{id, tokens}}, &out).ok()) return false;
-    seqs.Find(id)->num_tokens = tokens;
-    return true;
-  };
-  auto drop = [&](SeqId id) {
-    int64_t freed = 0;
-    std::vector<BatchId> batches;
-    seqs.Free(id, &freed, &batches);
-  };
-  struct Live {
-    int64_t tokens, target;
-    bool row;  // one of the batch's
-  };
-  std::map<SeqId, Live> live;  // a step visits them in order of arrival
   std::vector<SeqId> rows;
-  SeqId next = 1;
   int64_t allocated = 0;  // tokens, over the history
   const int64_t turnover = 3 * num_blocks * kBs;
-  int64_t rows_at_ctx = 0;
-  for (int64_t step = 0; rows_at_ctx < batch; ++step) {
+  auto rows_at_ctx = [&] {
+    int64_t n = 0;
+    for (SeqId id : rows) n += traffic.live().at(id).tokens == ctx;
+    return n;
+  };
+  for (int64_t step = 0; rows_at_ctx() < batch; ++step) {
     if (step > 100 * (turnover + ctx)) {
       std::fprintf(stderr, "--tables=churn: the batch never got its blocks\n");
       std::exit(2);
     }
+    // The history's sequences are preempted when they find no block and
+    // finish at their target; the batch's rows wait and stay.
     const bool rows_now = allocated >= turnover;
     while (rows_now ? static_cast<int64_t>(rows.size()) < batch
-                    : static_cast<int64_t>(live.size()) < history) {
+                    : static_cast<int64_t>(traffic.live().size()) < history) {
       const int64_t prompt = uni(1, ctx);
-      if (!grow(next, prompt)) break;
-      live[next] = {prompt, rows_now ? ctx : prompt + uni(1, ctx / 2),
-                    rows_now};
-      if (rows_now) rows.push_back(next);
-      if (rows_now && prompt == ctx) ++rows_at_ctx;
+      SeqId id = 0;
+      Traffic::Live* q = traffic.Admit(prompt, &id);
+      if (q == nullptr) break;
+      if (rows_now) {
+        q->target = ctx;
+        q->preemptible = false;
+        q->stays = true;
+        rows.push_back(id);
+      } else {
+        q->target = prompt + uni(1, ctx / 2);
+      }
       allocated += prompt;
-      ++next;
     }
-    for (auto it = live.begin(); it != live.end();) {
-      Live& s = it->second;
-      if (s.tokens < s.target) {
-        if (grow(it->first, s.tokens + 1)) {
-          ++s.tokens;
-          ++allocated;
-          if (s.row && s.tokens == ctx) ++rows_at_ctx;
-        } else if (!s.row) {
-          drop(it->first);
-          it = live.erase(it);
-          continue;
-        }
-      }
-      if (!s.row && s.tokens == s.target) {
-        drop(it->first);
-        it = live.erase(it);
-        continue;
-      }
-      ++it;
-    }
+    allocated += traffic.Step();
   }
   std::vector<int64_t> tables;
   int64_t pairs = 0, consecutive = 0;
   for (SeqId id : rows) {
-    const std::vector<BlockId>& t = seqs.Find(id)->blocks;
-    for (size_t i = 0; i < t.size(); ++i) {
-      tables.push_back(t[i]);
-      if (i > 0) {
-        ++pairs;
-        consecutive += t[i] == t[i - 1] + 1;
-      }
-    }
+    const std::vector<BlockId>& t = traffic.Table(id);
+    tables.insert(tables.end(), t.begin(), t.end());
+    CountAdjacent(t, &pairs, &consecutive);
   }
   *adjacent = pairs > 0 ? static_cast<double>(consecutive) / pairs : 0.0;
   return tables;

@@ -4,9 +4,9 @@
 //
 //   build/bench/block_order_sim
 //
-// Each scenario runs a BlockAllocator over a pool of 16-token blocks, each
-// sequence's growth in one allocation after its last block, as
-// SequenceManager::Allocate makes them:
+// Each scenario runs Traffic (core/traffic.h) straight on a BlockAllocator
+// over a pool of 16-token blocks, each sequence's growth in one allocation
+// after its last block, as SequenceManager::Allocate makes them:
 // up to `running` sequences at a time, each arriving with a prompt drawn
 // from [prompt_lo, prompt_hi] tokens (admitted when its blocks are
 // there), growing a token a step for [decode_lo, decode_hi] tokens more
@@ -21,12 +21,11 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <map>
 #include <random>
-#include <utility>
 #include <vector>
 
 #include "core/block_allocator.h"
+#include "core/traffic.h"
 
 namespace kvstep {
 namespace {
@@ -47,59 +46,25 @@ struct Outcome {
 Outcome Run(const Scenario& s, BlockOrder order, bool grown_gap) {
   constexpr int64_t kBs = 16;
   BlockAllocator alloc(s.pool, order);
+  Traffic traffic(&alloc, kBs, /*pass_length=*/grown_gap);
   std::mt19937_64 rng(7);
   auto uni = [&](int64_t lo, int64_t hi) {
     return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
   };
-  struct Live {
-    std::vector<BlockId> table;
-    int64_t tokens, left;
-  };
-  // Grows the table to hold `tokens`, all or nothing, as SequenceManager
-  // allocates a sequence's growth: one call, after its last block.
-  auto grow = [&](Live* q, int64_t tokens) {
-    const int64_t need =
-        (tokens + kBs - 1) / kBs - static_cast<int64_t>(q->table.size());
-    if (need <= 0) return true;
-    const BlockId after =
-        q->table.empty() ? BlockAllocator::kNone : q->table.back();
-    const int64_t held =
-        grown_gap ? static_cast<int64_t>(q->table.size()) + need : 0;
-    return alloc.Allocate(need, &q->table, after, held).ok();
-  };
-  std::map<int64_t, Live> live;  // by arrival
-  int64_t next = 0;
   int64_t pairs = 0, consecutive = 0;
   double fill = 0;
   int samples = 0;
   for (int step = 0; step < s.steps; ++step) {
-    while (static_cast<int64_t>(live.size()) < s.running) {
-      Live q{{}, uni(s.prompt_lo, s.prompt_hi), 0};
-      if (!grow(&q, q.tokens)) break;
-      q.left = uni(s.decode_lo, s.decode_hi);
-      live.emplace(next++, std::move(q));
+    while (static_cast<int64_t>(traffic.live().size()) < s.running) {
+      const int64_t prompt = uni(s.prompt_lo, s.prompt_hi);
+      Traffic::Live* q = traffic.Admit(prompt);
+      if (q == nullptr) break;
+      q->target = prompt + uni(s.decode_lo, s.decode_hi);
     }
-    for (auto it = live.begin(); it != live.end();) {
-      Live& q = it->second;
-      if (grow(&q, q.tokens + 1)) {
-        ++q.tokens;
-        --q.left;
-      } else {
-        q.left = 0;  // preempted
-      }
-      if (q.left == 0) {
-        if (!alloc.Release(q.table).ok()) std::abort();
-        it = live.erase(it);
-      } else {
-        ++it;
-      }
-    }
+    traffic.Step();
     if (step >= s.steps / 2 && step % 500 == 0) {
-      for (const auto& [id, q] : live) {
-        for (size_t i = 1; i < q.table.size(); ++i) {
-          ++pairs;
-          consecutive += q.table[i] == q.table[i - 1] + 1;
-        }
+      for (const auto& [id, q] : traffic.live()) {
+        CountAdjacent(traffic.Table(id), &pairs, &consecutive);
       }
       fill += 1.0 - static_cast<double>(alloc.num_free()) / s.pool;
       ++samples;

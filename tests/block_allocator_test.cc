@@ -1,12 +1,12 @@
 #include "core/block_allocator.h"
 
-#include <map>
 #include <random>
 #include <set>
 #include <vector>
 
 #include "core/block_hash.h"
 #include "core/sequence_manager.h"
+#include "core/traffic.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -272,10 +272,11 @@ TEST_F(SequenceManagerTest, RejectsBadRequestsBeforeChangingAnything) {
 }
 
 // Sequences arriving with a prompt of `prompt` tokens, growing a token at
-// a time for `decode` more and finishing, as in a server: the share of
-// consecutive table entries that are adjacent ids. LIFO reuse scatters
-// the tables within a few thousand steps; runs keep them together
-// (BlockOrder::kRuns).
+// a time for `decode` more and finishing, as in a server (Traffic, through
+// a SequenceManager; a sequence that finds no block for its next token
+// waits for the next step): the share of consecutive table entries that
+// are adjacent ids. LIFO reuse scatters the tables within a few thousand
+// steps; runs keep them together (BlockOrder::kRuns).
 struct Lengths {
   int64_t lo, hi;
 };
@@ -285,48 +286,31 @@ double AdjacencyUnderChurn(BlockOrder order, Lengths prompt = {256, 1536},
   BlockAllocator alloc(pool, order);
   SequenceManager seqs(&alloc, /*host=*/nullptr, kBs, /*max_seq_len=*/4096,
                        /*max_sequences=*/64);
+  Traffic traffic(&seqs);
   std::mt19937_64 rng(7);
   auto uni = [&](int64_t lo, int64_t hi) {
     return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
   };
-  std::map<SeqId, std::pair<int64_t, int64_t>> live;  // tokens, to go
-  SeqId next_id = 1;
-  std::vector<SequenceGrowth> out;
   for (int step = 0; step < 6000; ++step) {
-    while (static_cast<int64_t>(live.size()) < kRunning) {
+    while (static_cast<int64_t>(traffic.live().size()) < kRunning) {
       const int64_t tokens = uni(prompt.lo, prompt.hi);
-      out.clear();
-      if (!seqs.Allocate({{next_id, tokens}}, &out).ok()) break;
-      live[next_id++] = {tokens, uni(decode.lo, decode.hi)};
+      Traffic::Live* q = traffic.Admit(tokens);
+      if (q == nullptr) break;
+      q->target = tokens + uni(decode.lo, decode.hi);
+      q->preemptible = false;
     }
-    for (auto it = live.begin(); it != live.end();) {
-      auto& [tokens, left] = it->second;
-      out.clear();
-      if (seqs.Allocate({{it->first, tokens + 1}}, &out).ok()) {
-        ++tokens;
-        --left;
-      }
-      if (left == 0) {
-        int64_t freed = 0;
-        std::vector<BatchId> batches;
-        EXPECT_TRUE(seqs.Free(it->first, &freed, &batches));
-        it = live.erase(it);
-      } else {
-        ++it;
-      }
-    }
+    traffic.Step();
   }
+  EXPECT_EQ(traffic.preempted(), 0);
   int64_t pairs = 0, adjacent = 0;
   std::set<BlockId> seen;
-  for (const auto& [id, state] : live) {
-    const std::vector<BlockId>& t = seqs.Find(id)->blocks;
-    for (size_t i = 0; i < t.size(); ++i) {
-      EXPECT_TRUE(seen.insert(t[i]).second) << "block " << t[i] << " twice";
-      if (i > 0) {
-        ++pairs;
-        adjacent += t[i] == t[i - 1] + 1;
-      }
+  for (const auto& [id, q] : traffic.live()) {
+    const std::vector<BlockId>& t = traffic.Table(id);
+    EXPECT_EQ(static_cast<int64_t>(t.size()), (q.tokens + kBs - 1) / kBs);
+    for (BlockId b : t) {
+      EXPECT_TRUE(seen.insert(b).second) << "block " << b << " twice";
     }
+    CountAdjacent(t, &pairs, &adjacent);
   }
   EXPECT_EQ(alloc.num_free() + static_cast<int64_t>(seen.size()), pool);
   return pairs > 0 ? static_cast<double>(adjacent) / pairs : 0.0;
