@@ -20,7 +20,6 @@
 // (session 31's first step) the "gap 2" column is session 30's allocator.
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <random>
 #include <vector>
 

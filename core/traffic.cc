@@ -1,6 +1,8 @@
 #include "core/traffic.h"
 
+#include <cstdio>
 #include <cstdlib>
+#include <utility>
 
 namespace kvstep {
 
@@ -50,6 +52,14 @@ const std::vector<BlockId>& Traffic::Table(SeqId id) const {
   return live_.at(id).table;
 }
 
+bool Traffic::Fits(const absl::Status& st) {
+  if (st.ok() || absl::IsResourceExhausted(st)) return st.ok();
+  // Any other refusal (a length past max_seq_len, say) is the simulation's
+  // setup, which waiting or preempting would hide.
+  std::fprintf(stderr, "Traffic: %s\n", st.ToString().c_str());
+  std::abort();
+}
+
 bool Traffic::Grow(SeqId id, Live* q, int64_t tokens) {
   const int64_t blocks = (tokens + block_size_ - 1) / block_size_;
   if (seqs_ == nullptr) {
@@ -57,9 +67,8 @@ bool Traffic::Grow(SeqId id, Live* q, int64_t tokens) {
     if (need <= 0) return true;
     const BlockId after =
         q->table.empty() ? BlockAllocator::kNone : q->table.back();
-    return alloc_
-        ->Allocate(need, &q->table, after, pass_length_ ? blocks : int64_t{0})
-        .ok();
+    return Fits(alloc_->Allocate(need, &q->table, after,
+                                 pass_length_ ? blocks : int64_t{0}));
   }
   // Growth within the blocks a sequence holds takes no call (Allocate
   // would take no block; the tables come out the same): that is most steps
@@ -73,7 +82,7 @@ bool Traffic::Grow(SeqId id, Live* q, int64_t tokens) {
     return true;
   }
   out_.clear();
-  if (!seqs_->Allocate({{id, tokens}}, &out_).ok()) return false;
+  if (!Fits(seqs_->Allocate({{id, tokens}}, &out_))) return false;
   seqs_->Find(id)->num_tokens = tokens;
   return true;
 }

@@ -26,6 +26,7 @@
 #include <map>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "core/block_allocator.h"
 #include "core/sequence_manager.h"
@@ -56,7 +57,9 @@ class Traffic {
   Traffic& operator=(const Traffic&) = delete;
 
   // Admits a sequence of `prompt` tokens (> 0) if its blocks are there (and,
-  // through a SequenceManager, its max_sequences allows): returns it, with
+  // through a SequenceManager, its max_sequences allows; a refusal for any
+  // other reason, such as a prompt past max_seq_len, aborts the process,
+  // as does a later growth past it): returns it, with
   // target = prompt, preemptible and not staying, for the caller to set
   // before the next Step; nullptr if it does not fit. `*id` gets its id
   // (1, 2, ... in order of arrival) if `id` is not null.
@@ -75,8 +78,12 @@ class Traffic {
   int64_t preempted() const { return preempted_; }
 
  private:
-  // Grows `id`'s table to hold `tokens`, all or nothing.
+  // Grows `id`'s table to hold `tokens`, all or nothing: false if the
+  // blocks (or, for a new sequence, max_sequences) are short; aborts on any
+  // other error (Fits).
   bool Grow(SeqId id, Live* q, int64_t tokens);
+  // True for OK, false for RESOURCE_EXHAUSTED; prints and aborts otherwise.
+  static bool Fits(const absl::Status& st);
   void Drop(SeqId id, Live* q);
 
   SequenceManager* const seqs_ = nullptr;

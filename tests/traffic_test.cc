@@ -110,6 +110,16 @@ TEST(Traffic, ManagerAndAllocatorHandOutTheSameTables) {
   EXPECT_NE(manager, none);
 }
 
+// A refusal other than for want of blocks is the simulation's own setup:
+// it stops the run rather than look like a full pool.
+TEST(TrafficDeathTest, AbortsOnARequestTheManagerRejects) {
+  BlockAllocator alloc(100, BlockOrder::kAscending);
+  SequenceManager seqs(&alloc, nullptr, 16, /*max_seq_len=*/64,
+                       /*max_sequences=*/4);
+  Traffic traffic(&seqs);
+  EXPECT_DEATH(traffic.Admit(65), "Traffic: OUT_OF_RANGE");
+}
+
 TEST(Traffic, CountAdjacent) {
   int64_t pairs = 0, consecutive = 0;
   const std::vector<BlockId> t = {4, 5, 6, 9, 8, 9};
