@@ -47,7 +47,7 @@ class Traffic {
 
   // Through `seqs` (its blocks of `seqs->block_size()` tokens).
   explicit Traffic(SequenceManager* seqs);
-  // Straight from `alloc`, blocks of `block_size` tokens. `pass_length`:
+  // Straight from `alloc`, blocks of `block_size` (> 0) tokens. `pass_length`:
   // pass each table's length to BlockAllocator::Allocate, as
   // SequenceManager does; false passes none, which leaves every kRuns gap
   // at kRunGap blocks.
@@ -56,13 +56,13 @@ class Traffic {
   Traffic(const Traffic&) = delete;
   Traffic& operator=(const Traffic&) = delete;
 
-  // Admits a sequence of `prompt` tokens (> 0) if its blocks are there (and,
-  // through a SequenceManager, its max_sequences allows; a refusal for any
-  // other reason, such as a prompt past max_seq_len, aborts the process,
-  // as does a later growth past it): returns it, with
-  // target = prompt, preemptible and not staying, for the caller to set
-  // before the next Step; nullptr if it does not fit. `*id` gets its id
-  // (1, 2, ... in order of arrival) if `id` is not null.
+  // Admits a sequence of `prompt` tokens (> 0) if its blocks are there
+  // (and, through a SequenceManager, its max_sequences allows): returns it,
+  // with target = prompt, preemptible and not staying, for the caller to
+  // set before the next Step; nullptr if it does not fit. `*id` gets its id
+  // (1, 2, ... in order of arrival) if `id` is not null. A refusal for any
+  // other reason, such as a prompt past max_seq_len, aborts the process, as
+  // does a growth past it (at the latest when it takes a block).
   Live* Admit(int64_t prompt, SeqId* id = nullptr);
 
   // One step: each live sequence in order of arrival grows a token if it
@@ -72,7 +72,7 @@ class Traffic {
 
   // The live sequences by id (= order of arrival).
   const std::map<SeqId, Live>& live() const { return live_; }
-  // A live sequence's block table.
+  // A live sequence's block table. REQUIRES: `id` is live.
   const std::vector<BlockId>& Table(SeqId id) const;
   // Sequences preempted so far.
   int64_t preempted() const { return preempted_; }
