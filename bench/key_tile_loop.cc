@@ -1,7 +1,7 @@
 // How fast one core runs the fp16 prefill key tile's instructions with
 // every operand in L1 or L2, against an FMA loop of the same run: whether
 // the kernel's key pass (LogitsZ<4, false, true>, about 84% of the FMA peak
-// in its chunk loop) is held by its instruction mix or by its tiles.
+// in its chunk loop) is held by its instruction mix, its loads or its tiles.
 // docs/attention.md (session 44) has the numbers this tool gave.
 //
 //   build/bench/key_tile_loop [--rounds=5]
@@ -9,19 +9,24 @@
 // Each line is the best of --rounds runs of about 0.1 s, the variants
 // interleaved, in GFLOP/s and as a share of the FMA loop's best:
 //   fma       16 accumulators, 2 FMAs each a step, nothing else (the peak);
-//   mix       the chunk loop's step back to back (4 key loads of 32 fp16,
+//   mix       the chunk loop's steps back to back (4 key loads of 32 fp16,
 //             each split into even and odd halves by SplitHalvesZ's 5
 //             integer ops, 8 query loads, 32 FMAs into 16 accumulators),
-//             the accumulators never reset, queries from 16 KB (L1);
-//   tile      as the kernel runs it: tiles of 16 steps (a head of 128
+//             the accumulators never reset, one head tile's queries (8 KB);
+//   tile      as the kernel runs them: tiles of 16 steps (a head of 128
 //             dims) for 4 heads x 16 tokens, each from zeroed accumulators,
-//             ending in the shuffle sums to 16 logits a head tile and 16
-//             stores of 4; a chunk's 64 virtual heads' queries (128 KB, L2)
+//             ending in the shuffle sums to 16 logits a head and 16 stores
+//             of 4; a chunk's 64 virtual heads' queries (128 KB, from L2)
 //             and one 4 KB block of keys;
-//   tile_q1   the same with one head tile's queries (8 KB, L1).
-// The values are arbitrary finite numbers: only the time is measured.
-// Code placement moves these loops by up to 10 points between builds of
-// the same source (session 44), so compare lines of one run only.
+//   tile_q1   the same over two head tiles' queries (16 KB, L1);
+//   tile64    tile with 64 steps a tile (the 16 chunks four times): a
+//             quarter of the tile starts, sums and stores.
+// The values are arbitrary finite numbers: only the time is measured. The
+// loops over heads and loads are unrolled by pragma, as the kernel's are:
+// without it clang kept the accumulators on the stack between tiles. Code
+// placement moves these lines by several points between builds of the
+// same source (docs/attention.md, session 44), so compare lines of one
+// build only.
 
 #include <algorithm>
 #include <chrono>
@@ -90,19 +95,24 @@ __attribute__((target("avx512f"))) float Fma(int64_t steps) {
 
 __attribute__((target("avx512f"))) float Mix(const Buffers& b, int64_t steps) {
   __m512 acc[4][4];
+#pragma GCC unroll 4
   for (auto& row : acc) {
+#pragma GCC unroll 4
     for (auto& x : row) x = _mm512_setzero_ps();
   }
   for (int64_t s = 0; s < steps; ++s) {
     const int64_t dx = s % kChunks;
     __m512 ke[4], ko[4];
+#pragma GCC unroll 4
     for (int64_t j = 0; j < 4; ++j) {
       Split(_mm512_load_si512(b.keys + dx * 128 + 32 * j), &ke[j], &ko[j]);
     }
+#pragma GCC unroll 4
     for (int64_t i = 0; i < 4; ++i) {
-      // Four heads' queries of 8 chunks: 16 KB.
-      const float* q = b.queries + ((i * kChunks) + dx % 8) * 32;
+      // One head tile's queries (8 KB), as tile_q1's.
+      const float* q = b.queries + (i * kChunks + dx) * 32;
       const __m512 qe = _mm512_load_ps(q), qo = _mm512_load_ps(q + 16);
+#pragma GCC unroll 4
       for (int64_t j = 0; j < 4; ++j) {
         acc[i][j] = _mm512_fmadd_ps(qe, ke[j], acc[i][j]);
         acc[i][j] = _mm512_fmadd_ps(qo, ko[j], acc[i][j]);
@@ -110,7 +120,9 @@ __attribute__((target("avx512f"))) float Mix(const Buffers& b, int64_t steps) {
     }
   }
   float sum = 0;
+#pragma GCC unroll 4
   for (auto& row : acc) {
+#pragma GCC unroll 4
     for (auto& x : row) sum += _mm512_reduce_add_ps(x);
   }
   return sum;
@@ -131,23 +143,30 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 QuadSums(
       s);
 }
 
-template <bool kAllHeads>
+// kTileSteps steps a tile (16: a head of 128 dims; more repeat its chunks).
+template <bool kAllHeads, int64_t kTileSteps = kChunks>
 __attribute__((target("avx512f"))) float Tiles(Buffers& b, int64_t tiles) {
   __m512 sink = _mm512_setzero_ps();
   for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t v0 = kAllHeads ? t % (kHeads / 4) * 4 : 0;
+    const int64_t v0 = (kAllHeads ? t % (kHeads / 4) : t % 2) * 4;
     __m512 acc[4][4];
+#pragma GCC unroll 4
     for (auto& row : acc) {
+#pragma GCC unroll 4
       for (auto& x : row) x = _mm512_setzero_ps();
     }
-    for (int64_t dx = 0; dx < kChunks; ++dx) {
+    for (int64_t step = 0; step < kTileSteps; ++step) {
+      const int64_t dx = step % kChunks;
       __m512 ke[4], ko[4];
+#pragma GCC unroll 4
       for (int64_t j = 0; j < 4; ++j) {
         Split(_mm512_load_si512(b.keys + dx * 128 + 32 * j), &ke[j], &ko[j]);
       }
+#pragma GCC unroll 4
       for (int64_t i = 0; i < 4; ++i) {
         const float* q = b.queries + ((v0 + i) * kChunks + dx) * 32;
         const __m512 qe = _mm512_load_ps(q), qo = _mm512_load_ps(q + 16);
+#pragma GCC unroll 4
         for (int64_t j = 0; j < 4; ++j) {
           acc[i][j] = _mm512_fmadd_ps(qe, ke[j], acc[i][j]);
           acc[i][j] = _mm512_fmadd_ps(qo, ko[j], acc[i][j]);
@@ -155,10 +174,12 @@ __attribute__((target("avx512f"))) float Tiles(Buffers& b, int64_t tiles) {
       }
     }
     float* lg = b.logits + (t % 4) * kHeads * 16;
+#pragma GCC unroll 4
     for (int64_t j = 0; j < 4; ++j) {
       const __m512 r = QuadSums(acc[0][j], acc[1][j], acc[2][j], acc[3][j]);
       float lanes[16];
       _mm512_storeu_ps(lanes, r);
+#pragma GCC unroll 4
       for (int64_t i = 0; i < 4; ++i) {
         std::memcpy(lg + (v0 + i) * 16 + 4 * j, lanes + 4 * i,
                     4 * sizeof(float));
@@ -199,11 +220,11 @@ int Main(int argc, char** argv) {
   // About 0.1 s each at 200 GFLOP/s.
   constexpr int64_t kSteps = 20'000'000;
   constexpr int64_t kTiles = kSteps / kChunks;
-  const char* names[] = {"fma", "mix", "tile", "tile_q1"};
-  double best[4] = {};
+  const char* names[] = {"fma", "mix", "tile", "tile_q1", "tile64"};
+  double best[5] = {};
   float sink = 0;
   for (int r = 0; r < rounds; ++r) {
-    for (int v = 0; v < 4; ++v) {
+    for (int v = 0; v < 5; ++v) {
       const double t0 = Now();
       switch (v) {
         case 0:
@@ -215,15 +236,18 @@ int Main(int argc, char** argv) {
         case 2:
           sink += Tiles<true>(*b, kTiles);
           break;
-        default:
+        case 3:
           sink += Tiles<false>(*b, kTiles);
+          break;
+        default:
+          sink += Tiles<true, 64>(*b, kTiles / 4);
           break;
       }
       best[v] = std::max(best[v], kSteps * kFlopsPerStep / (Now() - t0) / 1e9);
     }
   }
   std::printf("best of %d rounds (checksum %g)\n", rounds, sink);
-  for (int v = 0; v < 4; ++v) {
+  for (int v = 0; v < 5; ++v) {
     std::printf("%-8s %7.1f GFLOP/s  %4.0f%% of fma\n", names[v], best[v],
                 100 * best[v] / best[0]);
   }
