@@ -79,6 +79,37 @@ __attribute__((target("avx512f"), always_inline)) inline void Split(
   *odd = reinterpret_cast<__m512>((x >> 3) & keep);
 }
 
+__attribute__((target("avx512f"), always_inline)) inline void Zero(
+    __m512 (&acc)[4][4]) {
+#pragma GCC unroll 4
+  for (auto& row : acc) {
+#pragma GCC unroll 4
+    for (auto& x : row) x = _mm512_setzero_ps();
+  }
+}
+
+// One step of the chunk loop: chunk dx of a block's 16 tokens (4 loads
+// of 4 tokens x 8 dims, split) against chunk dx of 4 heads' queries from
+// q (a head's 16 chunks of 32 floats each), into acc[head][load].
+__attribute__((target("avx512f"), always_inline)) inline void Step(
+    const uint16_t* keys, const float* q, int64_t dx, __m512 (&acc)[4][4]) {
+  __m512 ke[4], ko[4];
+#pragma GCC unroll 4
+  for (int64_t j = 0; j < 4; ++j) {
+    Split(_mm512_load_si512(keys + dx * 128 + 32 * j), &ke[j], &ko[j]);
+  }
+#pragma GCC unroll 4
+  for (int64_t i = 0; i < 4; ++i) {
+    const float* qi = q + (i * kChunks + dx) * 32;
+    const __m512 qe = _mm512_load_ps(qi), qo = _mm512_load_ps(qi + 16);
+#pragma GCC unroll 4
+    for (int64_t j = 0; j < 4; ++j) {
+      acc[i][j] = _mm512_fmadd_ps(qe, ke[j], acc[i][j]);
+      acc[i][j] = _mm512_fmadd_ps(qo, ko[j], acc[i][j]);
+    }
+  }
+}
+
 __attribute__((target("avx512f"))) float Fma(int64_t steps) {
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
@@ -95,29 +126,10 @@ __attribute__((target("avx512f"))) float Fma(int64_t steps) {
 
 __attribute__((target("avx512f"))) float Mix(const Buffers& b, int64_t steps) {
   __m512 acc[4][4];
-#pragma GCC unroll 4
-  for (auto& row : acc) {
-#pragma GCC unroll 4
-    for (auto& x : row) x = _mm512_setzero_ps();
-  }
+  Zero(acc);
   for (int64_t s = 0; s < steps; ++s) {
-    const int64_t dx = s % kChunks;
-    __m512 ke[4], ko[4];
-#pragma GCC unroll 4
-    for (int64_t j = 0; j < 4; ++j) {
-      Split(_mm512_load_si512(b.keys + dx * 128 + 32 * j), &ke[j], &ko[j]);
-    }
-#pragma GCC unroll 4
-    for (int64_t i = 0; i < 4; ++i) {
-      // One head tile's queries (8 KB), as tile_q1's.
-      const float* q = b.queries + (i * kChunks + dx) * 32;
-      const __m512 qe = _mm512_load_ps(q), qo = _mm512_load_ps(q + 16);
-#pragma GCC unroll 4
-      for (int64_t j = 0; j < 4; ++j) {
-        acc[i][j] = _mm512_fmadd_ps(qe, ke[j], acc[i][j]);
-        acc[i][j] = _mm512_fmadd_ps(qo, ko[j], acc[i][j]);
-      }
-    }
+    // One head tile's queries (8 KB), as tile_q1's.
+    Step(b.keys, b.queries, s % kChunks, acc);
   }
   float sum = 0;
 #pragma GCC unroll 4
@@ -150,28 +162,9 @@ __attribute__((target("avx512f"))) float Tiles(Buffers& b, int64_t tiles) {
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t v0 = (kAllHeads ? t % (kHeads / 4) : t % 2) * 4;
     __m512 acc[4][4];
-#pragma GCC unroll 4
-    for (auto& row : acc) {
-#pragma GCC unroll 4
-      for (auto& x : row) x = _mm512_setzero_ps();
-    }
+    Zero(acc);
     for (int64_t step = 0; step < kTileSteps; ++step) {
-      const int64_t dx = step % kChunks;
-      __m512 ke[4], ko[4];
-#pragma GCC unroll 4
-      for (int64_t j = 0; j < 4; ++j) {
-        Split(_mm512_load_si512(b.keys + dx * 128 + 32 * j), &ke[j], &ko[j]);
-      }
-#pragma GCC unroll 4
-      for (int64_t i = 0; i < 4; ++i) {
-        const float* q = b.queries + ((v0 + i) * kChunks + dx) * 32;
-        const __m512 qe = _mm512_load_ps(q), qo = _mm512_load_ps(q + 16);
-#pragma GCC unroll 4
-        for (int64_t j = 0; j < 4; ++j) {
-          acc[i][j] = _mm512_fmadd_ps(qe, ke[j], acc[i][j]);
-          acc[i][j] = _mm512_fmadd_ps(qo, ko[j], acc[i][j]);
-        }
-      }
+      Step(b.keys, b.queries + v0 * kChunks * 32, step % kChunks, acc);
     }
     float* lg = b.logits + (t % 4) * kHeads * 16;
 #pragma GCC unroll 4
