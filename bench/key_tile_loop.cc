@@ -213,11 +213,13 @@ int Main(int argc, char** argv) {
   // About 0.1 s each at 200 GFLOP/s.
   constexpr int64_t kSteps = 20'000'000;
   constexpr int64_t kTiles = kSteps / kChunks;
-  const char* names[] = {"fma", "mix", "tile", "tile_q1", "tile64"};
-  double best[5] = {};
+  // The variants, in the order of the switch below.
+  const char* const names[] = {"fma", "mix", "tile", "tile_q1", "tile64"};
+  constexpr size_t kVariants = std::size(names);
+  double best[kVariants] = {};
   float sink = 0;
   for (int r = 0; r < rounds; ++r) {
-    for (int v = 0; v < 5; ++v) {
+    for (size_t v = 0; v < kVariants; ++v) {
       const double t0 = Now();
       switch (v) {
         case 0:
@@ -240,7 +242,7 @@ int Main(int argc, char** argv) {
     }
   }
   std::printf("best of %d rounds (checksum %g)\n", rounds, sink);
-  for (int v = 0; v < 5; ++v) {
+  for (size_t v = 0; v < kVariants; ++v) {
     std::printf("%-8s %7.1f GFLOP/s  %4.0f%% of fma\n", names[v], best[v],
                 100 * best[v] / best[0]);
   }
