@@ -353,7 +353,8 @@ std::string Describe(const AttentionParams& p) {
                                 : "widened") +
                     (BestBf16Keys(/*chunks=*/true) ==
                              AttentionParams::Bf16Keys::kDot
-                         ? " (vLLM-layout prefill chunks by VDPBF16PS)"
+                         ? " (prefill chunks by VDPBF16PS: vLLM layout; NHD "
+                           "in rows of more than 32 tokens)"
                          : "")) +
          (p.nhd_rows ? "" : ", NHD items per KV head") +
          (p.vllm_rows ? "" : ", vLLM decode items per KV head") +

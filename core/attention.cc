@@ -334,8 +334,8 @@ std::atomic<int64_t> amx_passes{0};
 // fp8 K and V passes begun on VDPBF16PS, for tests: internal::Fp8DotPasses.
 std::atomic<int64_t> fp8_dot_passes{0};
 
-// vLLM-layout K passes of bf16 keys by VDPBF16PS (AttentionParams::
-// bf16_keys), for tests: internal::Bf16DotKeyPasses.
+// K passes of bf16 keys by VDPBF16PS (AttentionParams::bf16_keys), both
+// layouts, for tests: internal::Bf16DotKeyPasses.
 std::atomic<int64_t> bf16_dot_key_passes{0};
 
 // NHD key segments read a whole row at a time (Attender::PartialRow), for
@@ -390,9 +390,10 @@ int64_t ResolveTouchMinBlocks(int64_t blocks) {
 }
 
 // How a call multiplies bf16 keys by a bf16 query: kAuto resolved for
-// decode and NHD prefill chunks (kWiden on every CPU measured), or with
-// `chunks` for vLLM-layout prefill chunks (kDot on AMD, kWiden elsewhere;
-// see AttentionParams::bf16_keys).
+// decode and short NHD rows' prefill chunks (kWiden on every CPU measured),
+// or with `chunks` for vLLM-layout prefill chunks and NHD ones of rows of
+// more than 32 query tokens (kDot on AMD, kWiden elsewhere; see
+// AttentionParams::bf16_keys and Attender::NhdDotChunk).
 AttentionParams::Bf16Keys ResolveBf16Keys(AttentionParams::Bf16Keys k,
                                           bool chunks = false) {
   if (k != AttentionParams::Bf16Keys::kAuto) return k;

@@ -126,10 +126,14 @@ struct AttentionParams {
   // memory: on Zen 5 kWiden
   // took 1.15-1.19x kDot's time (block sizes 8-32, chunks of 16-512 tokens at
   // 2048 keys, one and two threads, MHA; session 39); the Intel Xeon's
-  // VDPBF16PS issues at half the FMAs' rate, so there kWiden stays. kAuto:
-  // kWiden for decode, and for vLLM-layout prefill chunks kDot on AMD,
-  // kWiden elsewhere (BestBf16Keys); NHD prefill chunks (unmeasured) take
-  // decode's choice. Other queries and caches are unaffected.
+  // VDPBF16PS issues at half the FMAs' rate, so there kWiden stays. NHD
+  // prefill chunks (items per KV head): kDot took 0.80-0.90x kWiden's time
+  // in rows of 512 tokens, but in rows of one or two chunks (16 or 32
+  // tokens), which read their keys from memory, up to 1.45x at 8192 keys
+  // (session 45). kAuto: kWiden for decode; for vLLM-layout prefill chunks,
+  // and NHD ones of rows of more than 32 query tokens, kDot on AMD, kWiden
+  // elsewhere (BestBf16Keys); other NHD chunks kWiden. Other queries and
+  // caches are unaffected.
   enum class Bf16Keys { kAuto, kDot, kWiden };
   Bf16Keys bf16_keys = Bf16Keys::kAuto;
   // Whether the AVX-512 build may use AMX (AMX-BF16: TDPBF16PS) where the
@@ -237,8 +241,8 @@ bool AmxSupported();
 // fp8_dot): the AVX-512 build and AVX512-VBMI.
 bool Fp8DotSupported();
 // What kAuto multiplies bf16 keys with on this CPU (never kAuto): in
-// decode (and NHD prefill chunks), or with `chunks` in vLLM-layout prefill
-// chunks.
+// decode (and NHD prefill chunks of rows of at most 32 query tokens), or
+// with `chunks` in vLLM-layout prefill chunks and NHD ones of longer rows.
 AttentionParams::Bf16Keys BestBf16Keys(bool chunks = false);
 
 struct AttentionRows {
@@ -319,9 +323,9 @@ int64_t AmxPasses();
 // since the process started (one that met an Inf or NaN on a flagged layer
 // and was redone by conversion counts too).
 int64_t Fp8DotPasses();
-// How many K passes of the vLLM layout (per KV head, or decode rows over
-// every KV head) multiplied bf16 keys by VDPBF16PS (AttentionParams::
-// bf16_keys) since the process started.
+// How many K passes (per KV head, or rows over every KV head; either
+// layout) multiplied bf16 keys by VDPBF16PS (AttentionParams::bf16_keys)
+// since the process started.
 int64_t Bf16DotKeyPasses();
 // How many key segments of NHD rows were read a whole row at a time, over
 // all KV heads (AttentionParams::nhd_rows), since the process started.

@@ -337,11 +337,13 @@ float Act(const Tensor& t, int64_t i) {
   return t.dtype() == DType::kFloat16 ? HalfToFloat(v) : BF16ToFloat(v);
 }
 
-// A cache of `layers` layers (vLLM layout): num_blocks blocks of bs
-// slots, kv KV heads of head size d, in `dtype`.
+// A cache of `layers` layers (vLLM layout unless `layout` says otherwise):
+// num_blocks blocks of bs slots, kv KV heads of head size d, in `dtype`.
 std::unique_ptr<KvCache> SmallCache(DType dtype, int64_t num_blocks, int64_t bs,
-                                    int64_t kv, int64_t d, int64_t layers = 1) {
+                                    int64_t kv, int64_t d, int64_t layers = 1,
+                                    CacheLayout layout = CacheLayout::kVllm) {
   CacheConfig c;
+  c.layout = layout;
   c.num_blocks = num_blocks;
   c.block_size = bs;
   c.num_layers = layers;
@@ -752,22 +754,14 @@ TEST(PagedAttention, Bf16KeysByDotProductsAndWidened) {
   }
 }
 
-// kAuto takes BestBf16Keys' choice for decode rows and BestBf16Keys(true)'s
-// for prefill chunks (VDPBF16PS on AMD, where the products bound the pass):
-// the K passes by VDPBF16PS are counted, and kAuto's outputs are bit for
-// bit those of the choice.
-TEST(PagedAttention, Bf16KeysAutoByCallKind) {
-  EXPECT_NE(BestBf16Keys(/*chunks=*/true), AttentionParams::Bf16Keys::kAuto);
-  if (!IsaSupported(AttentionParams::Isa::kAvx512)) {
-    GTEST_SKIP() << "no AVX-512 on this CPU: the bf16 key passes by "
-                    "VDPBF16PS are part of the AVX-512 build";
-  }
+// Bf16KeysAutoByCallKind in one layout.
+void Bf16KeysAutoByCallKindIn(CacheLayout layout) {
   const int64_t n = 300, D = 128, H = 8, KV = 2, bs = 16;
   const int64_t width = (n + bs - 1) / bs;
-  auto cache = SmallCache(DType::kBFloat16, width + 1, bs, KV, D);
+  auto cache = SmallCache(DType::kBFloat16, width + 1, bs, KV, D, 1, layout);
   std::mt19937_64 rng(39);
   std::uniform_real_distribution<float> uni(-1, 1);
-  std::vector<float> kraw(n * KV * D), vraw(n * KV * D), qraw(20 * H * D);
+  std::vector<float> kraw(n * KV * D), vraw(n * KV * D), qraw(40 * H * D);
   for (auto* v : {&kraw, &vraw, &qraw}) {
     for (float& x : *v) x = uni(rng);
   }
@@ -780,14 +774,19 @@ TEST(PagedAttention, Bf16KeysAutoByCallKind) {
                               Activations(DType::kFloat32, {n, KV, D}, vraw),
                               RowSlots(rows, 0, bs), 1, 1)
                   .ok());
-  for (int64_t ntok : {1, 20}) {
+  const bool nhd = layout == CacheLayout::kNhd;
+  for (int64_t ntok : {1, 32, 40}) {
     SCOPED_TRACE(::testing::Message() << "query tokens " << ntok);
     rows.query_start = {0, ntok};
     const Tensor q = Activations(
         DType::kBFloat16, {ntok, H, D},
         std::vector<float>(qraw.begin(), qraw.begin() + ntok * H * D));
+    // NHD chunks take kAuto's choice for chunks in rows of more than two
+    // chunks' tokens (32) only, and are widened otherwise.
     const bool dot =
-        BestBf16Keys(/*chunks=*/ntok > 1) == AttentionParams::Bf16Keys::kDot;
+        ntok == 1 ? BestBf16Keys() == AttentionParams::Bf16Keys::kDot
+                  : (!nhd || ntok > 32) && BestBf16Keys(/*chunks=*/true) ==
+                                               AttentionParams::Bf16Keys::kDot;
     std::vector<uint8_t> out[3];
     const AttentionParams::Bf16Keys keys[3] = {
         AttentionParams::Bf16Keys::kAuto, AttentionParams::Bf16Keys::kDot,
@@ -796,6 +795,7 @@ TEST(PagedAttention, Bf16KeysAutoByCallKind) {
       AttentionParams p;
       p.isa = AttentionParams::Isa::kAvx512;
       p.bf16_keys = keys[k];
+      p.nhd_rows = false;  // NHD: every call by items per KV head
       const int64_t before = internal::Bf16DotKeyPasses();
       Tensor o;
       ASSERT_TRUE(PagedAttention(*cache, 0, q, rows, p, nullptr, &o).ok());
@@ -805,6 +805,24 @@ TEST(PagedAttention, Bf16KeysAutoByCallKind) {
       out[k].assign(b, b + o.nbytes());
     }
     EXPECT_TRUE(out[0] == out[dot ? 1 : 2]);
+  }
+}
+
+// kAuto takes BestBf16Keys' choice for decode rows and BestBf16Keys(true)'s
+// for prefill chunks (VDPBF16PS on AMD, where the products bound the pass),
+// in both layouts (NHD by items per KV head, for chunks of rows longer than
+// two chunks only): the K passes by VDPBF16PS are counted, and kAuto's
+// outputs are bit for bit those of the choice.
+TEST(PagedAttention, Bf16KeysAutoByCallKind) {
+  EXPECT_NE(BestBf16Keys(/*chunks=*/true), AttentionParams::Bf16Keys::kAuto);
+  if (!IsaSupported(AttentionParams::Isa::kAvx512)) {
+    GTEST_SKIP() << "no AVX-512 on this CPU: the bf16 key passes by "
+                    "VDPBF16PS are part of the AVX-512 build";
+  }
+  for (CacheLayout layout : {CacheLayout::kVllm, CacheLayout::kNhd}) {
+    SCOPED_TRACE(::testing::Message() << "layout " << CacheLayoutName(layout));
+    Bf16KeysAutoByCallKindIn(layout);
+    if (HasFatalFailure()) return;
   }
 }
 
