@@ -129,8 +129,8 @@ struct AttentionParams {
   // VDPBF16PS issues at half the FMAs' rate, so there kWiden stays. NHD
   // prefill chunks (items per KV head): kDot took 0.80-0.90x kWiden's time
   // in rows of 512 tokens, but in rows of one or two chunks (16 or 32
-  // tokens), which read their keys from memory, up to 1.45x at 8192 keys
-  // (session 45). kAuto: kWiden for decode; for vLLM-layout prefill chunks,
+  // tokens) at 8192 keys up to 1.45x, unsteadily from run to run (session
+  // 45). kAuto: kWiden for decode; for vLLM-layout prefill chunks,
   // and NHD ones of rows of more than 32 query tokens, kDot on AMD, kWiden
   // elsewhere (BestBf16Keys); other NHD chunks kWiden. Other queries and
   // caches are unaffected.
