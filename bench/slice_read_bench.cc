@@ -44,6 +44,22 @@
 //   dot    the VDPBF16PS K pass's: 4 VDPBF16PS into 8 accumulators (AVX512-
 //          BF16 CPUs only).
 //
+// The work table also has a `win16` column (session 46): 4 KB pages in
+// random order within 2 MB windows, 16 windows interleaved (as `windows
+// 16` above), so that the random pages' reach over the pool, not their
+// order, is what differs from `random`.
+//
+// Then the "lines" table (session 46): what one core gets from lines of
+// random pages at all, with no prefetch and no work. `chase` is the
+// latency of a dependent load (pointer chasing) through one line of each
+// of 2048 random pages of the pool, with the pages' translations cold
+// (after the flush read: 64K pages of another buffer) or warm (line 0 of
+// each page loaded and flushed first); `burst L` the ns a line of loading
+// 4096 lines at once, L consecutive lines of each of 4096 / L random
+// pages, TLB cold or warm as for the chase, and "in flight" the lines
+// that rate keeps in flight at the chase's latency of the same TLB state
+// (Little's law).
+//
 // Then the "streams" table (session 25): random 32 KB runs (the vLLM
 // layout's blocks over 8 KV heads, as the row K pass reads them) read one
 // at a time or two side by side, 256 bytes of each in turn, each stream
@@ -361,6 +377,36 @@ class Runner {
 
   int passes() const { return passes_; }
 
+  // The lines table's pages: n random 4 KB pages of the pool (seeded
+  // by `seed`, so that each trial has its own).
+  std::vector<char*> RandomPages(size_t n, uint64_t seed) const {
+    std::mt19937_64 rng(seed);
+    std::vector<char*> pages(n);
+    for (char*& p : pages) {
+      p = pool_.base + rng() % (pool_.bytes / kPage) * kPage;
+    }
+    return pages;
+  }
+
+  // Readies lines for a lines-table trial: flushes them, reads the flush
+  // buffer (which leaves the TLB without the pool's translations) and,
+  // with warm_tlb, loads line 0 of each page in `pages` and flushes it
+  // again, so that only the translations are warm.
+  __attribute__((target("avx512f"))) void ColdLines(
+      const std::vector<char*>& lines, const std::vector<char*>& pages,
+      bool warm_tlb) {
+    for (char* l : lines) _mm_clflush(l);
+    _mm_mfence();
+    Flush();
+    if (warm_tlb) {
+      uint64_t s = 0;
+      for (char* p : pages) s += *reinterpret_cast<volatile uint8_t*>(p);
+      sink_ += s;
+      for (char* p : pages) _mm_clflush(p);
+    }
+    _mm_mfence();
+  }
+
   std::vector<const char*> Slices(size_t slice) const {
     std::vector<size_t> order(pool_.bytes / slice);
     std::iota(order.begin(), order.end(), 0);
@@ -423,6 +469,74 @@ class Runner {
   Pool pool_;
   volatile uint64_t sink_ = 0;  // keeps the sums alive
 };
+
+// The lines table (see the top of this file): best of `passes` trials,
+// each on its own random pages.
+void LinesTable(Runner& run) {
+  constexpr size_t kChasePages = 2048, kBurstLines = 4096;
+  volatile uint64_t sink = 0;
+  std::printf("\n%-10s %8s %10s %8s %10s\n", "lines", "TLB", "ns a line",
+              "GB/s", "in flight");
+  double chase[2] = {0, 0};  // TLB cold, warm: seconds a line
+  for (bool warm : {false, true}) {
+    double best = 1e30;
+    for (int p = 0; p < run.passes(); ++p) {
+      std::vector<char*> pages =
+          run.RandomPages(kChasePages, 100 + static_cast<uint64_t>(p));
+      std::sort(pages.begin(), pages.end());
+      pages.erase(std::unique(pages.begin(), pages.end()), pages.end());
+      std::shuffle(pages.begin(), pages.end(),
+                   std::mt19937_64(200 + static_cast<uint64_t>(p)));
+      // Line 1 + i % 62 of each page: never line 0 (the TLB warm-up's).
+      std::vector<char*> lines(pages.size());
+      for (size_t i = 0; i < pages.size(); ++i) {
+        lines[i] = pages[i] + 64 * (1 + i % 62);
+      }
+      run.ColdLines(lines, pages, warm);
+      // The chain's links are written after the flush (a store, then its
+      // line flushed again): writing them before would warm the TLB.
+      for (size_t i = 0; i < lines.size(); ++i) {
+        std::memcpy(lines[i], i + 1 < lines.size() ? &lines[i + 1] : &lines[0],
+                    sizeof(char*));
+      }
+      run.ColdLines(lines, pages, warm);
+      const double t0 = Now();
+      const char* at = lines[0];
+      for (size_t i = 0; i < lines.size(); ++i) {
+        at = *reinterpret_cast<const char* const volatile*>(at);
+      }
+      best = std::min(best, (Now() - t0) / static_cast<double>(lines.size()));
+      sink = sink + reinterpret_cast<uintptr_t>(at);
+    }
+    chase[warm ? 1 : 0] = best;
+    std::printf("%-10s %8s %10.1f %8.2f\n", "chase", warm ? "warm" : "cold",
+                best * 1e9, 64 / best / 1e9);
+  }
+  for (size_t per : {1, 8, 64}) {
+    for (bool warm : {false, true}) {
+      double best = 1e30;
+      for (int p = 0; p < run.passes(); ++p) {
+        const std::vector<char*> pages =
+            run.RandomPages(kBurstLines / per, 300 + static_cast<uint64_t>(p));
+        std::vector<char*> lines;
+        for (char* pg : pages) {
+          for (size_t l = 0; l < per; ++l) lines.push_back(pg + 64 * l);
+        }
+        run.ColdLines(lines, pages, warm);
+        const double t0 = Now();
+        uint64_t s = 0;
+        for (char* l : lines) s += *reinterpret_cast<volatile uint8_t*>(l);
+        best = std::min(best, (Now() - t0) / static_cast<double>(lines.size()));
+        sink = sink + s;
+      }
+      std::printf("%-10s %8s %10.2f %8.2f %10.1f\n",
+                  ("burst " + std::to_string(per)).c_str(),
+                  warm ? "warm" : "cold", best * 1e9, 64 / best / 1e9,
+                  chase[warm ? 1 : 0] / best);
+    }
+  }
+  std::fflush(stdout);
+}
 
 int Main(int argc, char** argv) {
   int64_t pool_mib = 1024;
@@ -513,21 +627,26 @@ int Main(int argc, char** argv) {
     const std::vector<const char*> random = run.Slices(kPage);
     std::vector<const char*> warm(seq.size());
     for (size_t i = 0; i < warm.size(); ++i) warm[i] = random[i % 48];
-    std::printf("\n%-8s %8s %8s %8s %8s %8s %8s\n", "work", "random", "of seq",
-                "rand32", "of seq", "seq", "warm");
+    const std::vector<const char*> win16 = run.Windows(16);
+    std::printf("\n%-8s %8s %8s %8s %8s %8s %8s %8s %8s\n", "work", "random",
+                "of seq", "rand32", "of seq", "win16", "of seq", "seq", "warm");
     auto work = [&](const char* name, auto pass) {
       const double r = run.Best([&] { return pass(random); });
       const double r32 = run.Best([&] { return pass(random32); });
+      const double w16 = run.Best([&] { return pass(win16); });
       const double q = run.Best([&] { return pass(seq); });
       const double h = run.Best([&] { return pass(warm); });
-      std::printf("%-8s %8.2f %7.0f%% %8.2f %7.0f%% %8.2f %8.2f\n", name, r,
-                  100 * r / base, r32, 100 * r32 / base, q, h);
+      std::printf(
+          "%-8s %8.2f %7.0f%% %8.2f %7.0f%% %8.2f %7.0f%% %8.2f %8.2f\n", name,
+          r, 100 * r / base, r32, 100 * r32 / base, w16, 100 * w16 / base, q,
+          h);
       std::fflush(stdout);
     };
     work("none", WorkPass<kWorkNone>);
     work("nop", WorkPass<kWorkNop>);
     work("fma", WorkPass<kWorkFma>);
     if (__builtin_cpu_supports("avx512bf16")) work("dot", WorkPass<kWorkDot>);
+    LinesTable(run);
   }
 
   // The streams table (session 25): random 32 KB runs read one at a time
