@@ -1,7 +1,7 @@
 // How fast one thread reads the paged cache's access pattern, with no
 // attention arithmetic (or with the V pass's, as a model): the ceiling the
-// kernel's "of read" is measured under. docs/attention.md (sessions 9 and
-// 20) has the numbers this tool gave.
+// kernel's "of read" is measured under. docs/attention.md (sessions 9, 20
+// and 46) has the numbers this tool gave.
 //
 //   build/bench/slice_read_bench [--pool_mib=1024] [--passes=5]
 //       [--streams_only] [--threads=1]
