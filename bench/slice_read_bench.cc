@@ -85,6 +85,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <unordered_set>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -377,13 +378,15 @@ class Runner {
 
   int passes() const { return passes_; }
 
-  // The lines table's pages: n random 4 KB pages of the pool (seeded
-  // by `seed`, so that each trial has its own).
+  // The lines table's pages: n distinct random 4 KB pages of the pool in
+  // random order (seeded by `seed`, so that each trial has its own).
   std::vector<char*> RandomPages(size_t n, uint64_t seed) const {
     std::mt19937_64 rng(seed);
-    std::vector<char*> pages(n);
-    for (char*& p : pages) {
-      p = pool_.base + rng() % (pool_.bytes / kPage) * kPage;
+    std::unordered_set<size_t> seen;
+    std::vector<char*> pages;
+    while (pages.size() < n) {
+      const size_t i = rng() % (pool_.bytes / kPage);
+      if (seen.insert(i).second) pages.push_back(pool_.base + i * kPage);
     }
     return pages;
   }
@@ -481,12 +484,8 @@ void LinesTable(Runner& run) {
   for (bool warm : {false, true}) {
     double best = 1e30;
     for (int p = 0; p < run.passes(); ++p) {
-      std::vector<char*> pages =
+      const std::vector<char*> pages =
           run.RandomPages(kChasePages, 100 + static_cast<uint64_t>(p));
-      std::sort(pages.begin(), pages.end());
-      pages.erase(std::unique(pages.begin(), pages.end()), pages.end());
-      std::shuffle(pages.begin(), pages.end(),
-                   std::mt19937_64(200 + static_cast<uint64_t>(p)));
       // Line 1 + i % 62 of each page: never line 0 (the TLB warm-up's).
       std::vector<char*> lines(pages.size());
       for (size_t i = 0; i < pages.size(); ++i) {
