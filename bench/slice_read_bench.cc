@@ -491,9 +491,8 @@ void LinesTable(Runner& run) {
       for (size_t i = 0; i < pages.size(); ++i) {
         lines[i] = pages[i] + 64 * (1 + i % 62);
       }
-      run.ColdLines(lines, pages, warm);
-      // The chain's links are written after the flush (a store, then its
-      // line flushed again): writing them before would warm the TLB.
+      // The trial's chain, then its lines flushed (written back) and the
+      // TLB emptied of the stores' translations.
       for (size_t i = 0; i < lines.size(); ++i) {
         std::memcpy(lines[i], i + 1 < lines.size() ? &lines[i + 1] : &lines[0],
                     sizeof(char*));
