@@ -24,7 +24,7 @@ run_ctest build
 if [ "${1:-}" != "--quick" ]; then
   # KVSTEP_FUZZ=ON: the same build also holds the fuzz target (coverage
   # instrumentation beside ASan+UBSan), so that the fuzzing below needs no
-  # build of its own (a fifth compile of the core took minutes of CI's 30).
+  # build of its own (a fourth compile of the core took minutes of CI's 30).
   echo "== ASan+UBSan build and test"
   scripts/build.sh build-asan -DKVSTEP_SANITIZE=address -DKVSTEP_BUILD_BENCH=OFF \
     -DKVSTEP_FUZZ=ON
