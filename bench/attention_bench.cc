@@ -35,7 +35,7 @@
 //       [--max_gb=2]
 //       [--prefetch=auto|nta|t0|t1] [--flush_mib=N]
 //       [--bf16_keys=auto|dot|widen] [--amx=on|off] [--fp8_dot=on|off]
-//       [--nhd_rows=on|off] [--vllm_rows=on|off] [--prefetch_l2=on|off]
+//       [--nhd_rows=on|off] [--vllm_rows=auto|on|off] [--prefetch_l2=on|off]
 //       [--touch_min_mib=N] [--touch_min_blocks=N] [--pool_poll_us=N]
 //       [--pool_idle_poll_us=N]
 //       [--query=bfloat16|float16|float32]
@@ -357,7 +357,13 @@ std::string Describe(const AttentionParams& p) {
                            "in rows of more than 32 tokens)"
                          : "")) +
          (p.nhd_rows ? "" : ", NHD items per KV head") +
-         (p.vllm_rows ? "" : ", vLLM decode items per KV head") +
+         (p.vllm_rows == AttentionParams::VllmRows::kOff
+              ? ", vLLM decode items per KV head"
+          : p.vllm_rows == AttentionParams::VllmRows::kOn ||
+                  BestVllmRows(DType::kFloat32, 16)
+              ? ""
+              : ", vLLM decode rows over every KV head only for 8- and "
+                "16-bit caches at block size 8 (this CPU's choice)") +
          (p.prefetch_l2 ? "" : ", no second prefetch into L2") +
          (p.amx && kvstep::AmxSupported()
               ? ", AMX for 16-bit prefill chunks (beyond the FMA peak)"
@@ -406,8 +412,12 @@ bool ParseParamFlag(const std::string& a, AttentionParams* p) {
     p->fp8_dot = a == "--fp8_dot=on";
   } else if (a == "--nhd_rows=on" || a == "--nhd_rows=off") {
     p->nhd_rows = a == "--nhd_rows=on";
-  } else if (a == "--vllm_rows=on" || a == "--vllm_rows=off") {
-    p->vllm_rows = a == "--vllm_rows=on";
+  } else if (a == "--vllm_rows=on") {
+    p->vllm_rows = AttentionParams::VllmRows::kOn;
+  } else if (a == "--vllm_rows=off") {
+    p->vllm_rows = AttentionParams::VllmRows::kOff;
+  } else if (a == "--vllm_rows=auto") {
+    p->vllm_rows = AttentionParams::VllmRows::kAuto;
   } else if (a == "--prefetch_l2=on" || a == "--prefetch_l2=off") {
     p->prefetch_l2 = a == "--prefetch_l2=on";
   } else if (a.rfind("--touch_min_mib=", 0) == 0) {

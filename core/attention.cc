@@ -21,6 +21,7 @@
 #endif
 
 #include "absl/strings/str_format.h"
+#include "core/dtype.h"
 #include "core/float_convert.h"
 #include "core/log.h"
 
@@ -387,6 +388,24 @@ int64_t ResolveTouchMinBytes(int64_t bytes) {
 int64_t ResolveTouchMinBlocks(int64_t blocks) {
   if (blocks >= 0) return blocks;
   return AmdVendor() ? 0 : 512;
+}
+
+// Whether a call over a `cache`-typed cache of `block_size`-token blocks may
+// read vLLM-layout decode rows over every KV head (AttentionParams::
+// vllm_rows, kAuto resolved for this CPU; the kernel's gates still apply).
+// Elsewhere than on AMD only 8- and 16-bit caches at block size 8, where a
+// KV head's slice of a block is under a page (2 KB or less at head 128):
+// the one shape the Intel Xeon of session 47 read faster by rows.
+bool ResolveVllmRows(AttentionParams::VllmRows v, DType cache,
+                     int64_t block_size) {
+  switch (v) {
+    case AttentionParams::VllmRows::kOn:
+      return true;
+    case AttentionParams::VllmRows::kOff:
+      return false;
+    default:
+      return AmdVendor() || (DTypeSize(cache) <= 2 && block_size == 8);
+  }
 }
 
 // How a call multiplies bf16 keys by a bf16 query: kAuto resolved for
@@ -1460,6 +1479,10 @@ const char* PrefetchName(AttentionParams::Prefetch prefetch) {
 
 AttentionParams::Bf16Keys BestBf16Keys(bool chunks) {
   return ResolveBf16Keys(AttentionParams::Bf16Keys::kAuto, chunks);
+}
+
+bool BestVllmRows(DType cache, int64_t block_size) {
+  return ResolveVllmRows(AttentionParams::VllmRows::kAuto, cache, block_size);
 }
 
 bool ParsePrefetch(absl::string_view name, AttentionParams::Prefetch* out) {

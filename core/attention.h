@@ -181,30 +181,44 @@ struct AttentionParams {
   bool nhd_rows = true;
   // Whether the AVX-512 build takes a vLLM-layout cache's decode rows (one
   // query token) a row at a time, where the block size is a multiple of
-  // 16 or is 8 and the cache is 16-bit or fp32: one item per row whose K pass
-  // reads each block's keys of every KV head (head_size * block_size elements a
-  // head, one after another: a contiguous run) in address order, before
-  // each KV head's softmax and V pass; an item per (row, KV head) reads
-  // one head's slice of each block and leaves the rest to later items.
-  // The V pass stays per KV head: its lanes (16 KB a head) would leave L1
-  // over all heads. On Zen 5 (random tables, call by call): fp32 calls
-  // took 0.89-0.96x the time at 1k-16k keys, batches 4-32, one and two
-  // threads; bf16 0.96-0.98x and fp16 0.93-0.96x at 1k-2k keys, batches
-  // 16-32, one thread (two threads 0.99-1.01x), but bf16 1.00-1.04x at
-  // 4k-8k keys, where the logits of every head of a row, written before
-  // any V pass reads them, pass 256 KB. So 16-bit caches take it where a
-  // row's logits (query heads x keys x 4 bytes) fit 256 KB (session 23),
-  // up to 2 MB in calls of at most 8 rows (session 28) or on one thread
-  // (session 33: 0.92-0.99x the time at 4k-16k keys, batches 16-256, since
-  // rows touch their blocks first), or at any length where the rows'
-  // tables run in consecutive blocks (session 30; docs/attention.md).
-  // 8-token blocks (8-token key tiles) since session 36: calls took
-  // 0.84-0.93x the time on one thread (bf16, fp16, fp32; 1k and 4k keys,
-  // batches 1-64), 16-bit ones 0.92-1.01x on two, but fp32 1.00-1.04x on
-  // two at batches 16 and 64, so fp32 takes them on one thread only.
-  // Prefill rows and fp8 caches: an item per (row, KV head). false: for
-  // A/B runs and tests.
-  bool vllm_rows = true;
+  // 16 or is 8: one item per row whose K pass reads each block's keys of
+  // every KV head (head_size * block_size elements a head, one after
+  // another: a contiguous run) in address order, before each KV head's
+  // softmax and V pass; an item per (row, KV head) reads one head's slice
+  // of each block and leaves the rest to later items. The V pass stays per
+  // KV head: its lanes (16 KB a head) would leave L1 over all heads. On
+  // Zen 5 (random tables, call by call): fp32 calls took 0.89-0.96x the
+  // time at 1k-16k keys, batches 4-32, one and two threads; bf16
+  // 0.96-0.98x and fp16 0.93-0.96x at 1k-2k keys, batches 16-32, one thread
+  // (two threads 0.99-1.01x), but bf16 1.00-1.04x at 4k-8k keys, where the
+  // logits of every head of a row, written before any V pass reads them,
+  // pass 256 KB. So 16-bit caches take it where a row's logits (query heads
+  // x keys x 4 bytes) fit 256 KB (session 23), up to 2 MB in calls of at
+  // most 8 rows (session 28) or on one thread (session 33: 0.92-0.99x the
+  // time at 4k-16k keys, batches 16-256, since rows touch their blocks
+  // first), or at any length where the rows' tables run in consecutive
+  // blocks (session 30; docs/attention.md). 8-token blocks (8-token key
+  // tiles) since session 36: calls took 0.84-0.93x the time on one thread
+  // (bf16, fp16, fp32; 1k and 4k keys, batches 1-64), 16-bit ones
+  // 0.92-1.01x on two, but fp32 1.00-1.04x on two at batches 16 and 64, so
+  // fp32 takes them on one thread only. fp8 caches (session 37) where
+  // their keys and values take VDPBF16PS (fp8_dot, a bf16 query, head
+  // sizes in steps of 16), under the 16-bit caches' limits on the logits.
+  // Prefill rows: an item per (row, KV head).
+  //
+  // Which CPU gains is measured, not derived. On the Intel Xeon of session
+  // 47 (Granite Rapids class, read 16 GB/s a core) the items took 0.93-
+  // 0.97x the rows' time for 16-bit caches at block size 16 (1k-8k keys,
+  // batches 1-256, one thread; 0.94-1.00x on two), 0.96-0.99x for fp32,
+  // 0.90-0.97x for fp8 and every cache at block size 32, 0.95-0.96x on
+  // runs tables; at block size 8 the rows still won for 16-bit and fp8
+  // caches on one thread (items 1.03-1.08x; on two 1.00x), not for fp32
+  // (items 0.94x). kAuto: this CPU's choice (BestVllmRows): on AMD (and
+  // Hygon) every call the gates above admit; elsewhere only caches of 8-
+  // and 16-bit elements at block size 8. kOn: every call the gates admit
+  // (tests, benchmarks); kOff: never. It changes no result.
+  enum class VllmRows { kAuto, kOn, kOff };
+  VllmRows vllm_rows = VllmRows::kAuto;
   // Whether the AVX-512 passes over a vLLM-layout cache prefetch each
   // line twice where they prefetch with prefetcht0 (prefetch kAuto on
   // AMD, or kT0): into L1 about 8 KB ahead of their reads, as always, and
@@ -244,6 +258,10 @@ bool Fp8DotSupported();
 // decode (and NHD prefill chunks of rows of at most 32 query tokens), or
 // with `chunks` in vLLM-layout prefill chunks and NHD ones of longer rows.
 AttentionParams::Bf16Keys BestBf16Keys(bool chunks = false);
+// Whether kAuto lets vLLM-layout decode rows over every KV head run on this
+// CPU (AttentionParams::vllm_rows) for a cache of dtype `cache` and
+// `block_size` tokens a block; the gates that kOn keeps still apply.
+bool BestVllmRows(DType cache, int64_t block_size);
 
 struct AttentionRows {
   std::vector<int64_t> query_start;   // [n + 1], from 0 to num_tokens

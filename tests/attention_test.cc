@@ -392,9 +392,12 @@ struct Case {
   bool flagged = false;
   int64_t touch_min_bytes = AttentionParams().touch_min_bytes;
   int64_t touch_min_blocks = AttentionParams().touch_min_blocks;
-  bool amx = true;          // AttentionParams::amx
-  bool nhd_rows = true;     // AttentionParams::nhd_rows
-  bool vllm_rows = true;    // AttentionParams::vllm_rows
+  bool amx = true;       // AttentionParams::amx
+  bool nhd_rows = true;  // AttentionParams::nhd_rows
+  // AttentionParams::vllm_rows: true is kOn, so that the sweeps run the
+  // row passes wherever the kernel's gates admit them on any CPU (what
+  // kAuto takes on this one: VllmRowsAutoTakesThisCpusChoice); false kOff.
+  bool vllm_rows = true;
   bool prefetch_l2 = true;  // AttentionParams::prefetch_l2
   double scale = 0;         // AttentionParams::scale (0: 1 / sqrt(head_size))
   // 2: a pool of two threads, used for any call (parallel_min_bytes 0);
@@ -505,7 +508,8 @@ void Check(const Case& k) {
   p.bf16_keys = k.bf16_keys;
   p.amx = k.amx;
   p.nhd_rows = k.nhd_rows;
-  p.vllm_rows = k.vllm_rows;
+  p.vllm_rows = k.vllm_rows ? AttentionParams::VllmRows::kOn
+                            : AttentionParams::VllmRows::kOff;
   p.prefetch_l2 = k.prefetch_l2;
   if (k.alibi) {
     for (int64_t h = 0; h < H; ++h)
@@ -1094,6 +1098,7 @@ TEST(PagedAttention, Fp8SpecialBytesUnwrittenSlotsAndHugeQueries) {
               AttentionParams p;
               p.k_scale = 0.5f;
               p.v_scale = 0.25f;
+              p.vllm_rows = AttentionParams::VllmRows::kOn;  // counted below
               p.isa = k == 0 ? AttentionParams::Isa::kAvx512
                              : AttentionParams::Isa::kPortable;
               ASSERT_TRUE(
@@ -1208,6 +1213,7 @@ void RunFp8DotAndConverting(const Fp8Row& r, const Tensor& q, int64_t window,
     p.sliding_window = window;
     p.isa = AttentionParams::Isa::kAvx512;
     p.fp8_dot = k == 0;
+    p.vllm_rows = AttentionParams::VllmRows::kOn;  // callers count row passes
     ASSERT_TRUE(
         PagedAttention(*r.cache, 0, q, r.rows, p, nullptr, &outs[k]).ok());
   }
@@ -1709,6 +1715,7 @@ TEST(PagedAttention, VllmRowsPast256KbOnlyForFewRowsOneThreadOrRuns) {
   ThreadPool pool(2);
   AttentionParams p;
   p.parallel_min_bytes = 0;
+  p.vllm_rows = AttentionParams::VllmRows::kOn;  // the gates, on any CPU
   for (const Call& k : calls) {
     const int64_t bs = 16, width = (k.keys + bs - 1) / bs;
     // Zero K/V (KvCache::Create's): only which pass runs is checked.
@@ -1750,6 +1757,51 @@ TEST(PagedAttention, VllmRowsPast256KbOnlyForFewRowsOneThreadOrRuns) {
         << k.heads << " heads, " << k.keys << " keys, " << k.batch
         << " rows, runs of " << (k.runs.empty() ? -1 : k.runs[0]) << ", "
         << k.threads << " threads";
+  }
+}
+
+// kAuto (the default) takes the row passes where BestVllmRows says this
+// CPU reads faster by them, under the same gates as kOn: a decode batch of
+// 3 rows of 300 keys (8 heads over 2 KV heads, head 64, one thread; zero
+// K/V: only which pass runs is checked) at block sizes 8 and 16, for every
+// cache dtype (fp8 with a bf16 query, where its rows run by VDPBF16PS).
+// Caches of 8- and 16-bit elements at block size 8 take the rows on every
+// CPU measured (Zen 5 and the Intel Xeon of session 47), and kOff never.
+TEST(PagedAttention, VllmRowsAutoTakesThisCpusChoice) {
+  const bool avx512 = IsaSupported(AttentionParams::Isa::kAvx512);
+  for (DType d :
+       {DType::kBFloat16, DType::kFloat16, DType::kFloat32, DType::kFp8E4M3}) {
+    const bool fp8 = d == DType::kFp8E4M3;
+    EXPECT_EQ(BestVllmRows(d, 8),
+              d != DType::kFloat32 || BestVllmRows(DType::kFloat32, 16))
+        << DTypeName(d);
+    for (int64_t bs : {8, 16}) {
+      for (auto v : {AttentionParams::VllmRows::kAuto,
+                     AttentionParams::VllmRows::kOff}) {
+        const int64_t keys = 300, batch = 3, width = (keys + bs - 1) / bs;
+        auto cache = SmallCache(d, width * batch, bs, 2, 64);
+        AttentionRows rows;
+        rows.num_real = batch;
+        rows.width = width;
+        for (int64_t r = 0; r <= batch; ++r) rows.query_start.push_back(r);
+        rows.seq_lens.assign(batch, keys);
+        rows.block_tables.resize(width * batch);
+        std::iota(rows.block_tables.begin(), rows.block_tables.end(), 0);
+        const Tensor q = *Tensor::Zeros(CpuDevice(), fp8 ? DType::kBFloat16 : d,
+                                        {batch, 8, 64});
+        AttentionParams p;
+        p.vllm_rows = v;
+        const int64_t before = internal::VllmRowPasses();
+        Tensor out;
+        ASSERT_TRUE(PagedAttention(*cache, 0, q, rows, p, nullptr, &out).ok());
+        const bool can = avx512 && (!fp8 || Fp8DotSupported());
+        EXPECT_EQ(
+            internal::VllmRowPasses() > before,
+            can && v == AttentionParams::VllmRows::kAuto && BestVllmRows(d, bs))
+            << DTypeName(d) << " block " << bs << " "
+            << (v == AttentionParams::VllmRows::kAuto ? "auto" : "off");
+      }
+    }
   }
 }
 

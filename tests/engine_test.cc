@@ -584,6 +584,10 @@ TEST(EngineOptions, AttentionPrefetchIsReportedAndChangesNoResult) {
                                        PrefetchName(resolved))));
     EXPECT_EQ((*e)->Info().attention_kernel.find("AMX") != std::string::npos,
               AmxSupported());
+    EXPECT_THAT((*e)->Info().attention_kernel,
+                HasSubstr(BestVllmRows(DType::kBFloat16, 16)
+                              ? "decode rows over every KV head"
+                              : "decode items per KV head"));
     absl::StatusOr<Tensor> out = (*e)->PagedAttentionExplicit(req, rows, slots);
     ASSERT_TRUE(out.ok()) << out.status();
     const auto* b = static_cast<const uint8_t*>(out->raw_data());
