@@ -800,6 +800,9 @@ void Bf16KeysAutoByCallKindIn(CacheLayout layout) {
       p.isa = AttentionParams::Isa::kAvx512;
       p.bf16_keys = keys[k];
       p.nhd_rows = false;  // NHD: every call by items per KV head
+      // The FMA passes' choice: where the CPU has AMX, vLLM-layout bf16
+      // prefill chunks take AMX tiles before either (tested on their own).
+      p.amx = false;
       const int64_t before = internal::Bf16DotKeyPasses();
       Tensor o;
       ASSERT_TRUE(PagedAttention(*cache, 0, q, rows, p, nullptr, &o).ok());
