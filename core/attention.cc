@@ -387,7 +387,7 @@ int64_t ResolveTouchMinBytes(int64_t bytes) {
 }
 int64_t ResolveTouchMinBlocks(int64_t blocks) {
   if (blocks >= 0) return blocks;
-  return AmdVendor() ? 0 : 512;
+  return AmdVendor() ? 0 : 128;
 }
 
 // Whether a call over a `cache`-typed cache of `block_size`-token blocks may

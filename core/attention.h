@@ -71,9 +71,14 @@ struct AttentionParams {
   // 0.98x for fp32, calls of 4-64 MiB 0.94-1.02x, within noise (session
   // 14); fp8 caches, since their K and V passes by VDPBF16PS (session
   // 17), 0.75-0.81x for calls of 64 MiB and more and 0.95-0.99x for
-  // 2-16 MiB. Elsewhere 512 MiB and 512 blocks: on the Intel Xeon
-  // 0.94-0.98x the time there, but 1.04x for items of 64-128 blocks
-  // (session 10; docs/attention.md). 0 and 0: always (tests).
+  // 2-16 MiB. Elsewhere 512 MiB and 128 blocks: on the Intel Xeon
+  // 0.94-0.98x the time for items of 512 blocks, but 1.04x for items of
+  // 64-128 blocks (session 10, when decode rows were read by the 8-wide
+  // passes and 512 blocks was the gate); with session 47's kernel, calls of
+  // 1-4 GB took 0.94-0.97x the time with items of 256 blocks touched, 0.97-
+  // 0.99x with items of 128 (one and two threads, bf16, fp16 and fp32),
+  // items of 64 0.98-1.01x; calls under 512 MiB 0.97-1.01x
+  // (docs/attention.md). 0 and 0: always (tests).
   int64_t touch_min_bytes = -1;
   int64_t touch_min_blocks = -1;
   // kBest runs the widest kernel this CPU has: AVX-512 (F, BW, VL, DQ and
