@@ -36,7 +36,8 @@
 //       [--prefetch=auto|nta|t0|t1] [--flush_mib=N]
 //       [--bf16_keys=auto|dot|widen] [--amx=on|off] [--fp8_dot=on|off]
 //       [--nhd_rows=on|off] [--vllm_rows=auto|on|off] [--prefetch_l2=on|off]
-//       [--touch_min_mib=N] [--touch_min_blocks=N] [--pool_poll_us=N]
+//       [--touch_min_mib=N] [--touch_min_blocks=N] [--partition_size=N]
+//       [--pool_poll_us=N]
 //       [--pool_idle_poll_us=N]
 //       [--query=bfloat16|float16|float32]
 // (the filters run one slice of the grid, e.g. under perf). --pool_mib
@@ -100,7 +101,7 @@
 //
 // --vs=FLAG (any of --isa=, --kernel=, --prefetch=, --bf16_keys=, --amx=,
 // --fp8_dot=, --nhd_rows=, --vllm_rows=, --prefetch_l2=, --touch_min_mib=,
-// --touch_min_blocks=,
+// --touch_min_blocks=, --partition_size=,
 // --pool_poll_us=, --pool_idle_poll_us=, --tables=) times a second
 // configuration call by call against the first, in the same process and on the
 // same cache: A, B, A, B, ... each after its own cache flush. It prints both
@@ -381,8 +382,8 @@ std::string Describe(const AttentionParams& p) {
 
 // --isa=..., --kernel=..., --prefetch=..., --bf16_keys=..., --amx=...,
 // --fp8_dot=..., --nhd_rows=..., --vllm_rows=..., --prefetch_l2=...,
-// --touch_min_mib=N and --touch_min_blocks=N
-// into *p; false for any other flag.
+// --touch_min_mib=N, --touch_min_blocks=N and --partition_size=N (v2's
+// keys a partition, 512 by default) into *p; false for any other flag.
 bool ParseParamFlag(const std::string& a, AttentionParams* p) {
   using Isa = AttentionParams::Isa;
   using Kernel = AttentionParams::Kernel;
@@ -425,6 +426,8 @@ bool ParseParamFlag(const std::string& a, AttentionParams* p) {
     p->touch_min_bytes = mib < 0 ? -1 : mib << 20;
   } else if (a.rfind("--touch_min_blocks=", 0) == 0) {
     p->touch_min_blocks = std::stoll(a.substr(19));
+  } else if (a.rfind("--partition_size=", 0) == 0) {
+    p->partition_size = std::max<int64_t>(1, std::stoll(a.substr(17)));
   } else {
     return false;
   }

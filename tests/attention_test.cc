@@ -1452,9 +1452,10 @@ TEST(PagedAttention, LongContextsOddGroupsAndShapes) {
 // (16-dim tiles, no split) and 128, block sizes 8, 16 and 32. A context of 1100
 // keys is three 512-key segments merged in turn (the single-pass kernel; the
 // partitioned one's partitions are one segment each); a window of 600 leaves
-// its first segment without keys; ALiBi. Every case also without nhd_rows (an
-// item per KV head). Rows of more query tokens than 128 virtual heads take an
-// item per KV head, nhd_rows or not.
+// its first segment without keys; ALiBi; prefetcht1 (stream starts) but
+// for MHA. Every case also without nhd_rows (an item per KV head). Rows of more
+// query tokens than 128 virtual heads take an item per KV head, nhd_rows or
+// not.
 TEST(PagedAttention, NhdRowsOverEveryKvHead) {
   const bool avx512 = IsaSupported(AttentionParams::Isa::kAvx512);
   struct Shape {
@@ -1477,6 +1478,11 @@ TEST(PagedAttention, NhdRowsOverEveryKvHead) {
           k.nhd_rows = rows;
           k.bf16_keys = sh.heads == 2 ? AttentionParams::Bf16Keys::kAuto
                                       : AttentionParams::Bf16Keys::kDot;
+          // prefetcht1, with which 8- and 16-bit rows start the L2
+          // streamer on the blocks ahead (StartRowStreams), on any CPU;
+          // MHA this CPU's hint.
+          k.prefetch = sh.heads == 2 ? AttentionParams::Prefetch::kAuto
+                                     : AttentionParams::Prefetch::kT1;
           const int64_t before = internal::NhdRowPasses();
           const int64_t dots = internal::Fp8DotPasses();
           Check(k);
