@@ -131,7 +131,9 @@ struct AttentionParams {
   // memory: on Zen 5 kWiden
   // took 1.15-1.19x kDot's time (block sizes 8-32, chunks of 16-512 tokens at
   // 2048 keys, one and two threads, MHA; session 39); the Intel Xeon's
-  // VDPBF16PS issues at half the FMAs' rate, so there kWiden stays. NHD
+  // VDPBF16PS issues at half the FMAs' rate, so there kWiden stays (session
+  // 47: kDot took 1.17-1.21x the time in NHD chunks of 512 and 16 tokens
+  // and in vLLM-layout ones without AMX). NHD
   // prefill chunks (items per KV head): kDot took 0.80-0.90x kWiden's time
   // in rows of 512 tokens, but in rows of one or two chunks (16 or 32
   // tokens) at 8192 keys up to 1.45x, unsteadily from run to run (session
