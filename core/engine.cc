@@ -161,16 +161,18 @@ EngineInfo Engine::Info() const {
   info.num_sessions = static_cast<int64_t>(sessions_.size());
   info.sessions_expired = sessions_expired_;
   // The vLLM layout's decode path is chosen per CPU for the cache's dtype
-  // and block size (AttentionParams::vllm_rows): said, since it moves a
-  // decode step's attention time by 3-7% (docs/attention.md, session 47).
+  // and block size (AttentionParams::vllm_rows; rows only in the AVX-512
+  // build): said, since it moves a decode step's attention time by 3-7%
+  // (docs/attention.md, session 47).
   const CacheConfig& c = cache_->config();
+  const bool rows = BestIsa() == AttentionParams::Isa::kAvx512 &&
+                    BestVllmRows(c.dtype, c.block_size);
   info.attention_kernel =
       absl::StrCat(IsaName(BestIsa()), ", ", PrefetchName(attention_prefetch_),
                    AmxSupported() ? ", AMX for 16-bit prefill" : "",
                    c.layout != CacheLayout::kVllm ? ""
-                   : BestVllmRows(c.dtype, c.block_size)
-                       ? ", decode rows over every KV head where they fit"
-                       : ", decode items per KV head");
+                   : rows ? ", decode rows over every KV head where they fit"
+                          : ", decode items per KV head");
   info.stats = StatsLocked();
   return info;
 }

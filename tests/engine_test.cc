@@ -585,7 +585,8 @@ TEST(EngineOptions, AttentionPrefetchIsReportedAndChangesNoResult) {
     EXPECT_EQ((*e)->Info().attention_kernel.find("AMX") != std::string::npos,
               AmxSupported());
     EXPECT_THAT((*e)->Info().attention_kernel,
-                HasSubstr(BestVllmRows(DType::kBFloat16, 16)
+                HasSubstr(BestIsa() == AttentionParams::Isa::kAvx512 &&
+                                  BestVllmRows(DType::kBFloat16, 16)
                               ? "decode rows over every KV head"
                               : "decode items per KV head"));
     absl::StatusOr<Tensor> out = (*e)->PagedAttentionExplicit(req, rows, slots);
