@@ -344,8 +344,13 @@ std::string PrefetchWords(AttentionParams::Prefetch hint) {
 
 // A configuration in words, for the table headers.
 std::string Describe(const AttentionParams& p) {
-  return std::string("kernel ") + KernelName(p.kernel) + ", " + IsaName(p.isa) +
-         " instruction set, " + PrefetchWords(p.prefetch) + ", bf16 keys " +
+  return std::string("kernel ") + KernelName(p.kernel) +
+         (p.kernel == AttentionParams::Kernel::kAuto && BestLongRowPartitions()
+              ? " (one-thread decode of rows of 8192 keys and more in "
+                "1024-key partitions)"
+              : "") +
+         ", " + IsaName(p.isa) + " instruction set, " +
+         PrefetchWords(p.prefetch) + ", bf16 keys " +
          (p.bf16_keys == AttentionParams::Bf16Keys::kDot ? "by VDPBF16PS"
           : p.bf16_keys == AttentionParams::Bf16Keys::kWiden
               ? "widened"

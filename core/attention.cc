@@ -347,6 +347,10 @@ std::atomic<int64_t> nhd_row_passes{0};
 // PartialRowVllm), for tests: internal::VllmRowPasses.
 std::atomic<int64_t> vllm_row_passes{0};
 
+// Calls kAuto took by the partitioned kernel in kLongRowPartition-key
+// partitions (Run), for tests: internal::LongRowPartitionedCalls.
+std::atomic<int64_t> long_row_partitioned_calls{0};
+
 // Whether this CPU's vendor is AMD (or Hygon, whose cores are AMD's Zen):
 // the kernel's choices that were measured to differ by CPU (the prefetch
 // hint and the slice touch; see AttentionParams) take the Zen 5 ones
@@ -1135,6 +1139,11 @@ int64_t ClaimSize(int64_t n, int64_t kvh, int64_t threads) {
   return 1;
 }
 
+// Run's long decode rows under kAuto (BestLongRowPartitions): rows of at
+// least kLongRowKeys keys, in partitions of kLongRowPartition keys.
+constexpr int64_t kLongRowKeys = 8192;
+constexpr int64_t kLongRowPartition = 1024;
+
 // Schedules the kernel A (an Attender) over (row, KV head) items, or over
 // (row, KV head, partition) items plus a reduction.
 template <typename A>
@@ -1143,7 +1152,7 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
          Tensor* out) {
   const int64_t kvh = cache.config().num_kv_heads;
   const int64_t D = cache.config().head_size;
-  const int64_t P = p.partition_size;
+  int64_t P = p.partition_size;
   int64_t max_len = 0;
   double pairs = 0;  // (query token, key) pairs, keys counted to seq_len
   for (int64_t r = 0; r < rows.num_real; ++r) {
@@ -1151,7 +1160,7 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
     pairs += static_cast<double>(rows.seq_lens[r]) *
              static_cast<double>(rows.query_start[r + 1] - rows.query_start[r]);
   }
-  const int64_t max_parts = (max_len + P - 1) / P;
+  int64_t max_parts = (max_len + P - 1) / P;
   // Small calls run on the caller alone: a second thread wakes tens of us
   // late on this VM and then competes for the same memory, so under 4 MiB
   // of K/V two threads took longer than one (attention_bench, bf16, batch
@@ -1198,8 +1207,38 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   // Per-head items keep v2 there: their single pass holds the logits of a
   // whole row (an MQA prefill chunk at 32k keys: 16 tokens x 32 heads x 32k
   // floats, 64 MB), v2's 512-key partitions do not.
+  // Long decode rows on one thread (A::LongRowPartitions: the Intel Xeon's
+  // choice) take kLongRowPartition-key partitions, partition-major (see
+  // below), where rows of kLongRowKeys keys or more hold at least half the
+  // call's keys. In a per-KV-head item the next head reads the slices
+  // beside this head's, whose page translations (this VM's host maps
+  // guest memory in 4 KB pages; one 64-byte page-table line covers a
+  // block's 32 KB of slices) the single pass's 4 MB of K/V a head at 8192
+  // keys has pushed out of L2: walks that a call after a flush of its
+  // lines, which leaves those lines cached, does without, taking 0.926x
+  // the time at 8192 keys and 1.00x at 1024 (bf16, equal bytes). v2 over
+  // 1024-key partitions, each head's in turn, took 0.93-0.98x v1's time
+  // at 8192 keys (bf16, batches 1-64; fp16 0.98-0.99x; fp32 0.925x; bf16
+  // at block size 32 0.974x), 0.92x at 16384, but 1.01-1.02x at 4096 and
+  // 1.03x at 1024 (a one-partition row pays the reduction for nothing),
+  // and on two threads 1.00-1.03x at 8192, whose threads split a
+  // partition's heads between their L2s (docs/attention.md, session 49).
+  int64_t long_keys = 0, all_keys = 0;
+  for (int64_t r = 0; r < rows.num_real; ++r) {
+    all_keys += rows.seq_lens[r];
+    if (rows.seq_lens[r] >= kLongRowKeys) long_keys += rows.seq_lens[r];
+  }
+  const bool long_rows = p.kernel == AttentionParams::Kernel::kAuto &&
+                         threads == 1 && max_tokens == 1 && !by_rows &&
+                         a.LongRowPartitions() && long_keys > 0 &&
+                         2 * long_keys >= all_keys;
+  if (long_rows) {
+    P = kLongRowPartition;
+    max_parts = (max_len + P - 1) / P;
+    long_row_partitioned_calls.fetch_add(1, std::memory_order_relaxed);
+  }
   const bool partitioned =
-      p.kernel == AttentionParams::Kernel::kPartitioned ||
+      p.kernel == AttentionParams::Kernel::kPartitioned || long_rows ||
       (p.kernel == AttentionParams::Kernel::kAuto && max_parts > 1 &&
        items < int64_t{2} * threads && !(threads == 1 && by_rows));
   auto run = [&](const std::function<void(int64_t)>& fn, int64_t n) {
@@ -1496,6 +1535,8 @@ AttentionParams::Bf16Keys BestBf16Keys(bool chunks) {
   return ResolveBf16Keys(AttentionParams::Bf16Keys::kAuto, chunks);
 }
 
+bool BestLongRowPartitions() { return !AmdVendor(); }
+
 bool BestVllmRows(DType cache, int64_t block_size) {
   return ResolveVllmRows(AttentionParams::VllmRows::kAuto, cache, block_size);
 }
@@ -1540,6 +1581,7 @@ int64_t Fp8DotPasses() { return fp8_dot_passes.load(); }
 int64_t Bf16DotKeyPasses() { return bf16_dot_key_passes.load(); }
 int64_t NhdRowPasses() { return nhd_row_passes.load(); }
 int64_t VllmRowPasses() { return vllm_row_passes.load(); }
+int64_t LongRowPartitionedCalls() { return long_row_partitioned_calls.load(); }
 
 int64_t ClaimSize(int64_t n, int64_t kvh, int64_t threads) {
   return kvstep::ClaimSize(n, kvh, threads);

@@ -167,12 +167,19 @@ EngineInfo Engine::Info() const {
   const CacheConfig& c = cache_->config();
   const bool rows = BestIsa() == AttentionParams::Isa::kAvx512 &&
                     BestVllmRows(c.dtype, c.block_size);
-  info.attention_kernel =
-      absl::StrCat(IsaName(BestIsa()), ", ", PrefetchName(attention_prefetch_),
-                   AmxSupported() ? ", AMX for 16-bit prefill" : "",
-                   c.layout != CacheLayout::kVllm ? ""
-                   : rows ? ", decode rows over every KV head where they fit"
-                          : ", decode items per KV head");
+  // And whether one-thread decode calls of long rows take 1024-key
+  // partitions (BestLongRowPartitions; 16-bit and fp32 caches).
+  const bool long_parts = BestIsa() == AttentionParams::Isa::kAvx512 &&
+                          c.layout == CacheLayout::kVllm &&
+                          DTypeSize(c.dtype) >= 2 && BestLongRowPartitions();
+  info.attention_kernel = absl::StrCat(
+      IsaName(BestIsa()), ", ", PrefetchName(attention_prefetch_),
+      AmxSupported() ? ", AMX for 16-bit prefill" : "",
+      c.layout != CacheLayout::kVllm ? ""
+      : rows ? ", decode rows over every KV head where they fit"
+             : ", decode items per KV head",
+      long_parts ? ", long decode rows on one thread in 1024-key partitions"
+                 : "");
   info.stats = StatsLocked();
   return info;
 }

@@ -1814,6 +1814,143 @@ TEST(PagedAttention, VllmRowsAutoTakesThisCpusChoice) {
   }
 }
 
+// kAuto takes one-thread decode calls whose rows of 8192 keys or more
+// hold at least half the call's keys by the partitioned kernel at
+// 1024-key partitions where BestLongRowPartitions says so (vLLM layout,
+// 16-bit and fp32 caches, the AVX-512 build), and nothing else: not on
+// two threads, not with a kernel asked for, not for fp8 caches, the NHD
+// layout or a prefill row, nor where the long rows hold under half the
+// keys. The calls it takes match an fp64 reference (random K/V, unwritten
+// slots NaN, rows of 8197 and 100 keys on shuffled tables).
+TEST(PagedAttention, LongDecodeRowsAutoPartitionedOnOneThread) {
+  const bool avx512 = IsaSupported(AttentionParams::Isa::kAvx512);
+  struct Call {
+    DType cache;
+    std::vector<int64_t> lens;
+    int threads;
+    AttentionParams::Kernel kernel;
+    CacheLayout layout;
+    int64_t tokens;  // query tokens of row 0
+    bool taken;      // where BestLongRowPartitions and AVX-512
+  };
+  const auto kAuto = AttentionParams::Kernel::kAuto;
+  const auto kVllm = CacheLayout::kVllm;
+  const Call calls[] = {
+      {DType::kBFloat16, {8197, 100}, 1, kAuto, kVllm, 1, true},
+      {DType::kFloat16, {8197, 100}, 1, kAuto, kVllm, 1, true},
+      {DType::kFloat32, {8192, 8100}, 1, kAuto, kVllm, 1, true},
+      {DType::kBFloat16, {8192, 8191, 100}, 1, kAuto, kVllm, 1, false},
+      {DType::kBFloat16, {8191, 100}, 1, kAuto, kVllm, 1, false},
+      {DType::kBFloat16, {8197, 100}, 2, kAuto, kVllm, 1, false},
+      {DType::kBFloat16,
+       {8197, 100},
+       1,
+       AttentionParams::Kernel::kSinglePass,
+       kVllm,
+       1,
+       false},
+      {DType::kFp8E4M3, {8197, 100}, 1, kAuto, kVllm, 1, false},
+      {DType::kBFloat16, {8197, 100}, 1, kAuto, CacheLayout::kNhd, 1, false},
+      {DType::kBFloat16, {8197, 100}, 1, kAuto, kVllm, 2, false},
+  };
+  const int64_t bs = 16, KV = 2, H = 8, D = 64;
+  ThreadPool pool(2);
+  std::mt19937_64 rng(11);
+  std::uniform_real_distribution<float> uni(-1, 1);
+  for (const Call& k : calls) {
+    const int64_t n = static_cast<int64_t>(k.lens.size());
+    const int64_t width =
+        (*std::max_element(k.lens.begin(), k.lens.end()) + bs - 1) / bs;
+    auto cache = SmallCache(k.cache, width * n + 3, bs, KV, D, 1, k.layout);
+    std::memset(cache->key(0).raw_data(), 0xff, cache->key(0).nbytes());
+    std::memset(cache->value(0).raw_data(), 0xff, cache->value(0).nbytes());
+    AttentionRows rows;
+    rows.num_real = n;
+    rows.width = width;
+    rows.query_start = {0};
+    for (int64_t r = 0; r < n; ++r) {
+      rows.query_start.push_back(rows.query_start.back() +
+                                 (r == 0 ? k.tokens : 1));
+    }
+    rows.seq_lens = k.lens;
+    std::vector<int64_t> perm(width * n + 3);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    perm.resize(width * n);
+    rows.block_tables = perm;
+    // The cached K/V as stored (bf16, fp16, fp32 or fp8 of fp32 draws).
+    std::vector<std::vector<float>> K(n), V(n);
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t m = k.lens[r] * KV * D;
+      std::vector<float> kraw(m), vraw(m);
+      for (float& x : kraw) x = uni(rng);
+      for (float& x : vraw) x = uni(rng);
+      const Tensor kt = Activations(DType::kFloat32, {k.lens[r], KV, D}, kraw);
+      const Tensor vt = Activations(DType::kFloat32, {k.lens[r], KV, D}, vraw);
+      ASSERT_TRUE(
+          ReshapeAndCache(*cache, 0, kt, vt, RowSlots(rows, r, bs), 1.0f, 1.0f)
+              .ok());
+      K[r].resize(m);
+      V[r].resize(m);
+      for (int64_t i = 0; i < m; ++i) {
+        K[r][i] = Quantize(k.cache, kraw[i], 1.0f);
+        V[r][i] = Quantize(k.cache, vraw[i], 1.0f);
+      }
+    }
+    const int64_t T = rows.query_start.back();
+    std::vector<float> qraw(T * H * D);
+    for (float& x : qraw) x = uni(rng);
+    // fp8 caches take a bf16 query (their VDPBF16PS passes); the others
+    // an fp32 one, so that the output is not rounded again.
+    const DType act =
+        k.cache == DType::kFp8E4M3 ? DType::kBFloat16 : DType::kFloat32;
+    const Tensor q = Activations(act, {T, H, D}, qraw);
+    AttentionParams p;
+    p.kernel = k.kernel;
+    p.parallel_min_bytes = 0;  // the pool, where given, for any call
+    const int64_t before = internal::LongRowPartitionedCalls();
+    Tensor out;
+    const absl::Status st = PagedAttention(
+        *cache, 0, q, rows, p, k.threads == 2 ? &pool : nullptr, &out);
+    ASSERT_TRUE(st.ok()) << st;
+    const bool taken = avx512 && BestLongRowPartitions() && k.taken;
+    EXPECT_EQ(internal::LongRowPartitionedCalls() - before, taken ? 1 : 0)
+        << DTypeName(k.cache) << " " << CacheLayoutName(k.layout) << " rows "
+        << n << " of " << k.lens[0] << " keys, " << k.threads << " threads";
+    if (!k.taken) continue;
+    // Row by row against fp64 (the last query token of each row).
+    const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t qi = rows.query_start[r + 1] - 1, len = k.lens[r];
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t g = h / (H / KV);
+        std::vector<double> w(len);
+        double mx = -INFINITY, sum = 0;
+        for (int64_t j = 0; j < len; ++j) {
+          double dot = 0;
+          for (int64_t d = 0; d < D; ++d) {
+            dot += static_cast<double>(Act(q, (qi * H + h) * D + d)) *
+                   K[r][(j * KV + g) * D + d];
+          }
+          w[j] = scale * dot;
+          mx = std::max(mx, w[j]);
+        }
+        for (double& x : w) sum += (x = std::exp(x - mx));
+        for (int64_t d = 0; d < D; ++d) {
+          double want = 0;
+          for (int64_t j = 0; j < len; ++j) {
+            want += w[j] / sum * V[r][(j * KV + g) * D + d];
+          }
+          const double got = Act(out, (qi * H + h) * D + d);
+          ASSERT_NEAR(got, want, 1e-3 + 1e-5 * std::fabs(want))
+              << DTypeName(k.cache) << " row " << r << " head " << h << " dim "
+              << d;
+        }
+      }
+    }
+  }
+}
+
 // Prefill chunks of 16-bit and fp32 caches in the vLLM layout (the
 // AVX-512 build's value tiles of 8 virtual heads over ranges of blocks;
 // for 16-bit caches its AMX tiles where the CPU has AMX-BF16, and without
