@@ -1143,6 +1143,7 @@ int64_t ClaimSize(int64_t n, int64_t kvh, int64_t threads) {
 // least kLongRowKeys keys, in partitions of kLongRowPartition keys.
 constexpr int64_t kLongRowKeys = 8192;
 constexpr int64_t kLongRowPartition = 1024;
+constexpr int64_t kLongRowPartialBytes = int64_t{16} << 20;
 
 // Schedules the kernel A (an Attender) over (row, KV head) items, or over
 // (row, KV head, partition) items plus a reduction.
@@ -1228,10 +1229,21 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
     all_keys += rows.seq_lens[r];
     if (rows.seq_lens[r] >= kLongRowKeys) long_keys += rows.seq_lens[r];
   }
-  const bool long_rows = p.kernel == AttentionParams::Kernel::kAuto &&
-                         threads == 1 && max_tokens == 1 && !by_rows &&
-                         a.LongRowPartitions() && long_keys > 0 &&
-                         2 * long_keys >= all_keys;
+  // The partitions' results (m, s and acc a query head) stay within
+  // kLongRowPartialBytes, so that kAuto never allocates more than that
+  // for them (256 rows of 8192 keys at GQA 4, head 128: 34 MB, fresh
+  // pages every call): bigger calls keep the single pass.
+  const double partial_bytes =
+      static_cast<double>(rows.query_start[rows.num_real]) *
+      static_cast<double>(kvh) *
+      static_cast<double>((max_len + kLongRowPartition - 1) /
+                          kLongRowPartition) *
+      static_cast<double>(G * (D + 2)) * sizeof(float);
+  const bool long_rows =
+      p.kernel == AttentionParams::Kernel::kAuto && threads == 1 &&
+      max_tokens == 1 && !by_rows && a.LongRowPartitions() && long_keys > 0 &&
+      2 * long_keys >= all_keys &&
+      partial_bytes <= static_cast<double>(kLongRowPartialBytes);
   if (long_rows) {
     P = kLongRowPartition;
     max_parts = (max_len + P - 1) / P;

@@ -54,7 +54,8 @@ struct AttentionParams {
   // BestLongRowPartitions (not on AMD), one-thread decode calls of
   // per-KV-head items in the vLLM layout (16-bit and fp32 caches, the
   // AVX-512 build) whose rows of 8192 keys or more hold at least half the
-  // call's keys, in 1024-key partitions whatever partition_size says (on
+  // call's keys and whose partitions' results fit 16 MiB, in 1024-key
+  // partitions whatever partition_size says (on
   // the Intel Xeon of session 49: 0.93-0.98x the single pass's time at
   // 8192 keys, 0.92x at 16384; docs/attention.md). The single pass
   // otherwise. partition_size: the keys a partition under kPartitioned and

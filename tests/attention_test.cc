@@ -1821,7 +1821,11 @@ TEST(PagedAttention, VllmRowsAutoTakesThisCpusChoice) {
 // two threads, not with a kernel asked for, not for fp8 caches, the NHD
 // layout or a prefill row, nor where the long rows hold under half the
 // keys. The calls it takes match an fp64 reference (random K/V, unwritten
-// slots NaN, rows of 8197 and 100 keys on shuffled tables).
+// slots NaN, rows of 8197 and 100 keys on shuffled tables). Nor where
+// the partitions' results would pass 16 MiB: 64 rows of 8192 keys at 32
+// query heads over one KV head, head 256 (8 partitions x 32 heads x 258
+// floats a row: 16.9 MB), against 60 rows (15.85 MB), every row over the
+// same 8 zeroed blocks (only which kernel runs is checked there).
 TEST(PagedAttention, LongDecodeRowsAutoPartitionedOnOneThread) {
   const bool avx512 = IsaSupported(AttentionParams::Isa::kAvx512);
   struct Call {
@@ -1948,6 +1952,28 @@ TEST(PagedAttention, LongDecodeRowsAutoPartitionedOnOneThread) {
         }
       }
     }
+  }
+  for (int64_t batch : {60, 64}) {
+    const int64_t keys = 8192, width = keys / bs;
+    auto cache = SmallCache(DType::kBFloat16, 8, bs, 1, 256);
+    AttentionRows rows;
+    rows.num_real = batch;
+    rows.width = width;
+    for (int64_t r = 0; r <= batch; ++r) rows.query_start.push_back(r);
+    rows.seq_lens.assign(batch, keys);
+    for (int64_t i = 0; i < batch * width; ++i) {
+      rows.block_tables.push_back(i % 8);
+    }
+    const Tensor q =
+        *Tensor::Zeros(CpuDevice(), DType::kBFloat16, {batch, 32, 256});
+    const int64_t before = internal::LongRowPartitionedCalls();
+    Tensor out;
+    ASSERT_TRUE(
+        PagedAttention(*cache, 0, q, rows, AttentionParams(), nullptr, &out)
+            .ok());
+    EXPECT_EQ(internal::LongRowPartitionedCalls() - before,
+              avx512 && BestLongRowPartitions() && batch == 60 ? 1 : 0)
+        << batch << " rows";
   }
 }
 
