@@ -1233,20 +1233,20 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   // kLongRowPartialBytes, so that kAuto never allocates more than that
   // for them (256 rows of 8192 keys at GQA 4, head 128: 34 MB, fresh
   // pages every call): bigger calls keep the single pass.
-  const double partial_bytes =
-      static_cast<double>(rows.query_start[rows.num_real]) *
-      static_cast<double>(kvh) *
-      static_cast<double>((max_len + kLongRowPartition - 1) /
-                          kLongRowPartition) *
-      static_cast<double>(G * (D + 2)) * sizeof(float);
+  const int64_t T = rows.query_start[rows.num_real];
+  const int64_t stride = G * (D + 2);  // partitions' floats: m, s, acc a head
+  const int64_t long_parts =
+      (max_len + kLongRowPartition - 1) / kLongRowPartition;
   const bool long_rows =
       p.kernel == AttentionParams::Kernel::kAuto && threads == 1 &&
       max_tokens == 1 && !by_rows && a.LongRowPartitions() && long_keys > 0 &&
       2 * long_keys >= all_keys &&
-      partial_bytes <= static_cast<double>(kLongRowPartialBytes);
+      static_cast<double>(T) * static_cast<double>(kvh * long_parts) *
+              static_cast<double>(stride) * sizeof(float) <=
+          static_cast<double>(kLongRowPartialBytes);
   if (long_rows) {
     P = kLongRowPartition;
-    max_parts = (max_len + P - 1) / P;
+    max_parts = long_parts;
     long_row_partitioned_calls.fetch_add(1, std::memory_order_relaxed);
   }
   const bool partitioned =
@@ -1317,8 +1317,6 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   // second fork and join, took one-row decode calls on two threads
   // 1.011-1.024x the time at 1024 keys (bf16, fp16, fp32: 4-8 MiB), 1.007x
   // at 2048 (bf16) and 1.000x at 4096 (docs/attention.md, session 26).
-  const int64_t T = rows.query_start[rows.num_real];
-  const int64_t stride = G * (D + 2);  // m, s, acc per query head
   // Read only where `used` says a partition wrote it: not zeroed.
   const std::unique_ptr<float[]> partial(
       new float[static_cast<size_t>(T * kvh * max_parts * stride)]);
