@@ -345,7 +345,8 @@ std::string PrefetchWords(AttentionParams::Prefetch hint) {
 // A configuration in words, for the table headers.
 std::string Describe(const AttentionParams& p) {
   return std::string("kernel ") + KernelName(p.kernel) +
-         (p.kernel == AttentionParams::Kernel::kAuto && BestLongRowPartitions()
+         (p.kernel == AttentionParams::Kernel::kAuto &&
+                  BestLongRowPartitions(DType::kBFloat16, CacheLayout::kVllm)
               ? " (one-thread decode of rows of 8192 keys and more in "
                 "1024-key partitions)"
               : "") +

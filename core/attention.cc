@@ -1545,7 +1545,10 @@ AttentionParams::Bf16Keys BestBf16Keys(bool chunks) {
   return ResolveBf16Keys(AttentionParams::Bf16Keys::kAuto, chunks);
 }
 
-bool BestLongRowPartitions() { return !AmdVendor(); }
+bool BestLongRowPartitions(DType cache, CacheLayout layout) {
+  return BestIsa() == AttentionParams::Isa::kAvx512 &&
+         layout == CacheLayout::kVllm && DTypeSize(cache) >= 2 && !AmdVendor();
+}
 
 bool BestVllmRows(DType cache, int64_t block_size) {
   return ResolveVllmRows(AttentionParams::VllmRows::kAuto, cache, block_size);

@@ -282,11 +282,12 @@ AttentionParams::Bf16Keys BestBf16Keys(bool chunks = false);
 // CPU (AttentionParams::vllm_rows) for a cache of dtype `cache` and
 // `block_size` tokens a block; the gates that kOn keeps still apply.
 bool BestVllmRows(DType cache, int64_t block_size);
-// Whether kAuto takes one-thread decode calls of long rows (vLLM layout,
-// 16-bit and fp32 caches, the AVX-512 build) by the partitioned kernel at
-// 1024-key partitions on this CPU (see AttentionParams::kernel): not on
+// Whether kAuto takes one-thread decode calls of long rows by the
+// partitioned kernel at 1024-key partitions on this CPU for a cache of
+// dtype `cache` in `layout` (see AttentionParams::kernel): the vLLM
+// layout, 16-bit and fp32 caches, where the best build is AVX-512; not on
 // AMD, where it was not measured.
-bool BestLongRowPartitions();
+bool BestLongRowPartitions(DType cache, CacheLayout layout);
 
 struct AttentionRows {
   std::vector<int64_t> query_start;   // [n + 1], from 0 to num_tokens

@@ -169,9 +169,7 @@ EngineInfo Engine::Info() const {
                     BestVllmRows(c.dtype, c.block_size);
   // And whether one-thread decode calls of long rows take 1024-key
   // partitions (BestLongRowPartitions; 16-bit and fp32 caches).
-  const bool long_parts = BestIsa() == AttentionParams::Isa::kAvx512 &&
-                          c.layout == CacheLayout::kVllm &&
-                          DTypeSize(c.dtype) >= 2 && BestLongRowPartitions();
+  const bool long_parts = BestLongRowPartitions(c.dtype, c.layout);
   info.attention_kernel = absl::StrCat(
       IsaName(BestIsa()), ", ", PrefetchName(attention_prefetch_),
       AmxSupported() ? ", AMX for 16-bit prefill" : "",

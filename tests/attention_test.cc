@@ -1917,7 +1917,9 @@ TEST(PagedAttention, LongDecodeRowsAutoPartitionedOnOneThread) {
     const absl::Status st = PagedAttention(
         *cache, 0, q, rows, p, k.threads == 2 ? &pool : nullptr, &out);
     ASSERT_TRUE(st.ok()) << st;
-    const bool taken = avx512 && BestLongRowPartitions() && k.taken;
+    const bool taken =
+        avx512 && BestLongRowPartitions(DType::kBFloat16, CacheLayout::kVllm) &&
+        k.taken;
     EXPECT_EQ(internal::LongRowPartitionedCalls() - before, taken ? 1 : 0)
         << DTypeName(k.cache) << " " << CacheLayoutName(k.layout) << " rows "
         << n << " of " << k.lens[0] << " keys, " << k.threads << " threads";
@@ -1971,8 +1973,12 @@ TEST(PagedAttention, LongDecodeRowsAutoPartitionedOnOneThread) {
     ASSERT_TRUE(
         PagedAttention(*cache, 0, q, rows, AttentionParams(), nullptr, &out)
             .ok());
-    EXPECT_EQ(internal::LongRowPartitionedCalls() - before,
-              avx512 && BestLongRowPartitions() && batch == 60 ? 1 : 0)
+    EXPECT_EQ(
+        internal::LongRowPartitionedCalls() - before,
+        avx512 && BestLongRowPartitions(DType::kBFloat16, CacheLayout::kVllm) &&
+                batch == 60
+            ? 1
+            : 0)
         << batch << " rows";
   }
 }
