@@ -237,6 +237,7 @@ struct Scratch {
                                 // AMX: weight tiles and carried sums
   LineVector<float> m, s, acc;  // a chunk's results (Partial's outputs)
   LineVector<float> part;       // rows: a key segment's acc, m and s
+  LineVector<float> running;    // long rows: each KV head's running acc, m, s
   // Prefill value tiles: a range's values in the order the head tiles
   // after the first read them (ValuesTile*'s staging).
   LineVector<float> staged;
@@ -272,6 +273,7 @@ struct Scratch {
     f(self.s);
     f(self.acc);
     f(self.part);
+    f(self.running);
     f(self.staged);
     f(self.tiles);
   }
@@ -1143,7 +1145,6 @@ int64_t ClaimSize(int64_t n, int64_t kvh, int64_t threads) {
 // least kLongRowKeys keys, in partitions of kLongRowPartition keys.
 constexpr int64_t kLongRowKeys = 8192;
 constexpr int64_t kLongRowPartition = 1024;
-constexpr int64_t kLongRowPartialBytes = int64_t{16} << 20;
 
 // Schedules the kernel A (an Attender) over (row, KV head) items, or over
 // (row, KV head, partition) items plus a reduction.
@@ -1153,7 +1154,7 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
          Tensor* out) {
   const int64_t kvh = cache.config().num_kv_heads;
   const int64_t D = cache.config().head_size;
-  int64_t P = p.partition_size;
+  const int64_t P = p.partition_size;
   int64_t max_len = 0;
   double pairs = 0;  // (query token, key) pairs, keys counted to seq_len
   for (int64_t r = 0; r < rows.num_real; ++r) {
@@ -1161,7 +1162,7 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
     pairs += static_cast<double>(rows.seq_lens[r]) *
              static_cast<double>(rows.query_start[r + 1] - rows.query_start[r]);
   }
-  int64_t max_parts = (max_len + P - 1) / P;
+  const int64_t max_parts = (max_len + P - 1) / P;
   // Small calls run on the caller alone: a second thread wakes tens of us
   // late on this VM and then competes for the same memory, so under 4 MiB
   // of K/V two threads took longer than one (attention_bench, bf16, batch
@@ -1229,28 +1230,12 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
     all_keys += rows.seq_lens[r];
     if (rows.seq_lens[r] >= kLongRowKeys) long_keys += rows.seq_lens[r];
   }
-  // The partitions' results (m, s and acc a query head) stay within
-  // kLongRowPartialBytes, so that kAuto never allocates more than that
-  // for them (256 rows of 8192 keys at GQA 4, head 128: 34 MB, fresh
-  // pages every call): bigger calls keep the single pass.
-  const int64_t T = rows.query_start[rows.num_real];
-  const int64_t stride = G * (D + 2);  // partitions' floats: m, s, acc a head
-  const int64_t long_parts =
-      (max_len + kLongRowPartition - 1) / kLongRowPartition;
   const bool long_rows =
       p.kernel == AttentionParams::Kernel::kAuto && threads == 1 &&
       max_tokens == 1 && !by_rows && a.LongRowPartitions() && long_keys > 0 &&
-      2 * long_keys >= all_keys &&
-      static_cast<double>(T) * static_cast<double>(kvh * long_parts) *
-              static_cast<double>(stride) * sizeof(float) <=
-          static_cast<double>(kLongRowPartialBytes);
-  if (long_rows) {
-    P = kLongRowPartition;
-    max_parts = long_parts;
-    long_row_partitioned_calls.fetch_add(1, std::memory_order_relaxed);
-  }
+      2 * long_keys >= all_keys;
   const bool partitioned =
-      p.kernel == AttentionParams::Kernel::kPartitioned || long_rows ||
+      p.kernel == AttentionParams::Kernel::kPartitioned ||
       (p.kernel == AttentionParams::Kernel::kAuto && max_parts > 1 &&
        items < int64_t{2} * threads && !(threads == 1 && by_rows));
   auto run = [&](const std::function<void(int64_t)>& fn, int64_t n) {
@@ -1265,6 +1250,52 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   // results (by rows: a row's every token, at most RowTokens).
   const int64_t item_heads_max =
       (by_rows ? max_tokens : kChunk) * G * heads_per_item;
+  if (long_rows) {
+    // Each row in kLongRowPartition-key ranges, every KV head's range in
+    // turn before the next range, each range's results merged into the
+    // head's running ones as they come (Attender::Merge, as the rows' key
+    // segments are): the partitioned kernel's order without its
+    // partitions' buffer and reduction, so a call keeps a row's running
+    // results (kvh x G x (head_size + 2) floats) whatever its size. One
+    // thread: the caller's.
+    long_row_partitioned_calls.fetch_add(1, std::memory_order_relaxed);
+    ScratchLease lease;
+    Scratch& scratch = lease.get();
+    scratch.m.resize(G);
+    scratch.s.resize(G);
+    scratch.acc.resize(G * D);
+    scratch.running.resize(kvh * G * (D + 2));
+    float* run_acc = scratch.running.data();  // [kvh][G][D], then m, s
+    float* run_m = run_acc + kvh * G * D;
+    float* run_s = run_m + kvh * G;
+    for (int64_t r = 0; r < rows.num_real; ++r) {
+      const int64_t qi = rows.query_start[r], qe = rows.query_start[r + 1];
+      if (qi == qe) continue;
+      int64_t ntok, pos0, lo, hi;
+      a.Chunk(r, qi, qe, &ntok, &pos0, &lo, &hi);
+      for (int64_t k0 = lo; k0 < hi;) {
+        const int64_t k1 =
+            std::min(hi, (k0 / kLongRowPartition + 1) * kLongRowPartition);
+        for (int64_t h = 0; h < kvh; ++h) {
+          if (k0 == lo) {
+            a.PartialHeads(scratch, r, h, h + 1, qi, ntok, pos0, k0, k1,
+                           run_m + h * G, run_s + h * G, run_acc + h * G * D);
+          } else {
+            a.PartialHeads(scratch, r, h, h + 1, qi, ntok, pos0, k0, k1,
+                           scratch.m.data(), scratch.s.data(),
+                           scratch.acc.data());
+            a.Merge(G, scratch.m.data(), scratch.s.data(), scratch.acc.data(),
+                    run_m + h * G, run_s + h * G, run_acc + h * G * D);
+          }
+        }
+        k0 = k1;
+      }
+      for (int64_t h = 0; h < kvh; ++h) {
+        a.Store(qi, h, run_acc + h * G * D, run_s + h * G);
+      }
+    }
+    return;
+  }
   // Items with a scratch per participating thread, reused across its items
   // (a fresh one per item cost a malloc and a memset of tens of KB each)
   // and kept by the thread for its next call (ScratchLease). Items are
@@ -1318,6 +1349,8 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   // 1.011-1.024x the time at 1024 keys (bf16, fp16, fp32: 4-8 MiB), 1.007x
   // at 2048 (bf16) and 1.000x at 4096 (docs/attention.md, session 26).
   // Read only where `used` says a partition wrote it: not zeroed.
+  const int64_t T = rows.query_start[rows.num_real];
+  const int64_t stride = G * (D + 2);  // partitions' floats: m, s, acc a head
   const std::unique_ptr<float[]> partial(
       new float[static_cast<size_t>(T * kvh * max_parts * stride)]);
   std::vector<uint8_t> used(static_cast<size_t>(T * kvh * max_parts), 0);
