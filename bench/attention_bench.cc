@@ -346,9 +346,9 @@ std::string PrefetchWords(AttentionParams::Prefetch hint) {
 std::string Describe(const AttentionParams& p) {
   return std::string("kernel ") + KernelName(p.kernel) +
          (p.kernel == AttentionParams::Kernel::kAuto &&
-                  BestLongRowPartitions(DType::kBFloat16, CacheLayout::kVllm)
-              ? " (one-thread decode of rows of 8192 keys and more in "
-                "1024-key partitions)"
+                  BestLongRowRanges(DType::kBFloat16, CacheLayout::kVllm)
+              ? " (decode of rows of 8192 keys and more in 1024-key "
+                "ranges)"
               : "") +
          ", " + IsaName(p.isa) + " instruction set, " +
          PrefetchWords(p.prefetch) + ", bf16 keys " +

@@ -21,6 +21,7 @@
 #endif
 
 #include "absl/strings/str_format.h"
+#include "absl/types/span.h"
 #include "core/dtype.h"
 #include "core/float_convert.h"
 #include "core/log.h"
@@ -349,9 +350,9 @@ std::atomic<int64_t> nhd_row_passes{0};
 // PartialRowVllm), for tests: internal::VllmRowPasses.
 std::atomic<int64_t> vllm_row_passes{0};
 
-// Calls kAuto took by the partitioned kernel in kLongRowPartition-key
-// partitions (Run), for tests: internal::LongRowPartitionedCalls.
-std::atomic<int64_t> long_row_partitioned_calls{0};
+// Calls kAuto took by long rows in kLongRowRange-key ranges (Run), for
+// tests: internal::LongRowRangeCalls.
+std::atomic<int64_t> long_row_range_calls{0};
 
 // Whether this CPU's vendor is AMD (or Hygon, whose cores are AMD's Zen):
 // the kernel's choices that were measured to differ by CPU (the prefetch
@@ -1141,10 +1142,31 @@ int64_t ClaimSize(int64_t n, int64_t kvh, int64_t threads) {
   return 1;
 }
 
-// Run's long decode rows under kAuto (BestLongRowPartitions): rows of at
-// least kLongRowKeys keys, in partitions of kLongRowPartition keys.
+// Run's long decode rows under kAuto (BestLongRowRanges): rows of at
+// least kLongRowKeys keys, in ranges of kLongRowRange keys.
 constexpr int64_t kLongRowKeys = 8192;
-constexpr int64_t kLongRowPartition = 1024;
+constexpr int64_t kLongRowRange = 1024;
+
+// Whether rows of `keys` keys each, claimed in order by `threads` threads
+// (each taking the next row as it finishes one), finish within
+// kLongRowSlack of an even split of the keys: Run's long rows are whole
+// rows a thread, which gained 3-9% on two threads where they balance
+// (docs/attention.md, session 50) and would lose far more where one
+// thread is left with a row the other has no match for (batch 1: half).
+// Always true on one thread.
+constexpr double kLongRowSlack = 1.02;
+bool RowClaimsBalance(absl::Span<const int64_t> keys, int64_t threads) {
+  if (threads <= 1) return true;
+  std::vector<int64_t> load(static_cast<size_t>(threads), 0);
+  int64_t all = 0;
+  for (const int64_t k : keys) {
+    *std::min_element(load.begin(), load.end()) += k;
+    all += k;
+  }
+  const int64_t most = *std::max_element(load.begin(), load.end());
+  return static_cast<double>(most) * static_cast<double>(threads) <=
+         kLongRowSlack * static_cast<double>(all);
+}
 
 // Schedules the kernel A (an Attender) over (row, KV head) items, or over
 // (row, KV head, partition) items plus a reduction.
@@ -1209,31 +1231,33 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   // Per-head items keep v2 there: their single pass holds the logits of a
   // whole row (an MQA prefill chunk at 32k keys: 16 tokens x 32 heads x 32k
   // floats, 64 MB), v2's 512-key partitions do not.
-  // Long decode rows on one thread (A::LongRowPartitions: the Intel Xeon's
-  // choice) take kLongRowPartition-key partitions, partition-major (see
-  // below), where rows of kLongRowKeys keys or more hold at least half the
-  // call's keys. In a per-KV-head item the next head reads the slices
-  // beside this head's, whose page translations (this VM's host maps
-  // guest memory in 4 KB pages; one 64-byte page-table line covers a
-  // block's 32 KB of slices) the single pass's 4 MB of K/V a head at 8192
-  // keys has pushed out of L2: walks that a call after a flush of its
-  // lines, which leaves those lines cached, does without, taking 0.926x
-  // the time at 8192 keys and 1.00x at 1024 (bf16, equal bytes). v2 over
-  // 1024-key partitions, each head's in turn, took 0.93-0.98x v1's time
-  // at 8192 keys (bf16, batches 1-64; fp16 0.98-0.99x; fp32 0.925x; bf16
-  // at block size 32 0.974x), 0.92x at 16384, but 1.01-1.02x at 4096 and
-  // 1.03x at 1024 (a one-partition row pays the reduction for nothing),
-  // and on two threads 1.00-1.03x at 8192, whose threads split a
-  // partition's heads between their L2s (docs/attention.md, session 49).
+  // Long decode rows (A::LongRowRanges: the Intel Xeon's choice), where
+  // rows of kLongRowKeys keys or more hold at least half the call's keys
+  // and whole rows a thread balance (RowClaimsBalance), take each row in
+  // kLongRowRange-key ranges, every KV head's range before the next range
+  // (below). In a per-KV-head item the next head reads the slices beside
+  // this head's, whose page translations (this VM's host maps guest
+  // memory in 4 KB pages; one 64-byte page-table line covers a block's 32
+  // KB of slices) the single pass's 4 MB of K/V a head at 8192 keys has
+  // pushed out of L2: walks that a call after a flush of its lines, which
+  // leaves those lines cached, does without, taking 0.926x the time at
+  // 8192 keys and 1.00x at 1024 (bf16, equal bytes; session 49). v1 took
+  // 1.04-1.09x the time of the ranges at 8192 keys on one thread (bf16,
+  // batches 16-256) and 1.03-1.09x on two (bf16, fp16, fp32), but
+  // 0.996-1.003x at 4096 keys; ranges of 512 keys lost 2-4% to 1024
+  // (docs/attention.md, session 50).
   int64_t long_keys = 0, all_keys = 0;
   for (int64_t r = 0; r < rows.num_real; ++r) {
     all_keys += rows.seq_lens[r];
     if (rows.seq_lens[r] >= kLongRowKeys) long_keys += rows.seq_lens[r];
   }
   const bool long_rows =
-      p.kernel == AttentionParams::Kernel::kAuto && threads == 1 &&
-      max_tokens == 1 && !by_rows && a.LongRowPartitions() && long_keys > 0 &&
-      2 * long_keys >= all_keys;
+      p.kernel == AttentionParams::Kernel::kAuto && max_tokens == 1 &&
+      !by_rows && a.LongRowRanges() && long_keys > 0 &&
+      2 * long_keys >= all_keys &&
+      RowClaimsBalance(absl::MakeConstSpan(rows.seq_lens.data(),
+                                           static_cast<size_t>(rows.num_real)),
+                       threads);
   const bool partitioned =
       p.kernel == AttentionParams::Kernel::kPartitioned ||
       (p.kernel == AttentionParams::Kernel::kAuto && max_parts > 1 &&
@@ -1250,52 +1274,6 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   // results (by rows: a row's every token, at most RowTokens).
   const int64_t item_heads_max =
       (by_rows ? max_tokens : kChunk) * G * heads_per_item;
-  if (long_rows) {
-    // Each row in kLongRowPartition-key ranges, every KV head's range in
-    // turn before the next range, each range's results merged into the
-    // head's running ones as they come (Attender::Merge, as the rows' key
-    // segments are): the partitioned kernel's order without its
-    // partitions' buffer and reduction, so a call keeps a row's running
-    // results (kvh x G x (head_size + 2) floats) whatever its size. One
-    // thread: the caller's.
-    long_row_partitioned_calls.fetch_add(1, std::memory_order_relaxed);
-    ScratchLease lease;
-    Scratch& scratch = lease.get();
-    scratch.m.resize(G);
-    scratch.s.resize(G);
-    scratch.acc.resize(G * D);
-    scratch.running.resize(kvh * G * (D + 2));
-    float* run_acc = scratch.running.data();  // [kvh][G][D], then m, s
-    float* run_m = run_acc + kvh * G * D;
-    float* run_s = run_m + kvh * G;
-    for (int64_t r = 0; r < rows.num_real; ++r) {
-      const int64_t qi = rows.query_start[r], qe = rows.query_start[r + 1];
-      if (qi == qe) continue;
-      int64_t ntok, pos0, lo, hi;
-      a.Chunk(r, qi, qe, &ntok, &pos0, &lo, &hi);
-      for (int64_t k0 = lo; k0 < hi;) {
-        const int64_t k1 =
-            std::min(hi, (k0 / kLongRowPartition + 1) * kLongRowPartition);
-        for (int64_t h = 0; h < kvh; ++h) {
-          if (k0 == lo) {
-            a.PartialHeads(scratch, r, h, h + 1, qi, ntok, pos0, k0, k1,
-                           run_m + h * G, run_s + h * G, run_acc + h * G * D);
-          } else {
-            a.PartialHeads(scratch, r, h, h + 1, qi, ntok, pos0, k0, k1,
-                           scratch.m.data(), scratch.s.data(),
-                           scratch.acc.data());
-            a.Merge(G, scratch.m.data(), scratch.s.data(), scratch.acc.data(),
-                    run_m + h * G, run_s + h * G, run_acc + h * G * D);
-          }
-        }
-        k0 = k1;
-      }
-      for (int64_t h = 0; h < kvh; ++h) {
-        a.Store(qi, h, run_acc + h * G * D, run_s + h * G);
-      }
-    }
-    return;
-  }
   // Items with a scratch per participating thread, reused across its items
   // (a fresh one per item cost a malloc and a memset of tens of KB each)
   // and kept by the thread for its next call (ScratchLease). Items are
@@ -1317,6 +1295,51 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
         },
         std::min(threads, (n + g - 1) / g));
   };
+  if (long_rows) {
+    // Each row in kLongRowRange-key ranges, every KV head's range in
+    // turn before the next range, each range's results merged into the
+    // head's running ones as they come (Attender::Merge, as the rows' key
+    // segments are): the partitioned kernel's order without its
+    // partitions' buffer and reduction, so a call keeps a row's running
+    // results (kvh x G x (head_size + 2) floats) whatever its size. Items
+    // are whole rows.
+    long_row_range_calls.fetch_add(1, std::memory_order_relaxed);
+    run_items(
+        [&](Scratch& scratch, int64_t r) {
+          const int64_t qi = rows.query_start[r], qe = rows.query_start[r + 1];
+          if (qi == qe) return;
+          scratch.running.resize(kvh * G * (D + 2));
+          float* run_acc = scratch.running.data();  // [kvh][G][D], then m, s
+          float* run_m = run_acc + kvh * G * D;
+          float* run_s = run_m + kvh * G;
+          int64_t ntok, pos0, lo, hi;
+          a.Chunk(r, qi, qe, &ntok, &pos0, &lo, &hi);
+          for (int64_t k0 = lo; k0 < hi;) {
+            const int64_t k1 =
+                std::min(hi, (k0 / kLongRowRange + 1) * kLongRowRange);
+            for (int64_t h = 0; h < kvh; ++h) {
+              if (k0 == lo) {
+                a.PartialHeads(scratch, r, h, h + 1, qi, ntok, pos0, k0, k1,
+                               run_m + h * G, run_s + h * G,
+                               run_acc + h * G * D);
+              } else {
+                a.PartialHeads(scratch, r, h, h + 1, qi, ntok, pos0, k0, k1,
+                               scratch.m.data(), scratch.s.data(),
+                               scratch.acc.data());
+                a.Merge(G, scratch.m.data(), scratch.s.data(),
+                        scratch.acc.data(), run_m + h * G, run_s + h * G,
+                        run_acc + h * G * D);
+              }
+            }
+            k0 = k1;
+          }
+          for (int64_t h = 0; h < kvh; ++h) {
+            a.Store(qi, h, run_acc + h * G * D, run_s + h * G);
+          }
+        },
+        rows.num_real, 1);
+    return;
+  }
   if (!partitioned) {
     run_items(
         [&](Scratch& scratch, int64_t item) {
@@ -1578,7 +1601,7 @@ AttentionParams::Bf16Keys BestBf16Keys(bool chunks) {
   return ResolveBf16Keys(AttentionParams::Bf16Keys::kAuto, chunks);
 }
 
-bool BestLongRowPartitions(DType cache, CacheLayout layout) {
+bool BestLongRowRanges(DType cache, CacheLayout layout) {
   return BestIsa() == AttentionParams::Isa::kAvx512 &&
          layout == CacheLayout::kVllm && DTypeSize(cache) >= 2 && !AmdVendor();
 }
@@ -1627,7 +1650,7 @@ int64_t Fp8DotPasses() { return fp8_dot_passes.load(); }
 int64_t Bf16DotKeyPasses() { return bf16_dot_key_passes.load(); }
 int64_t NhdRowPasses() { return nhd_row_passes.load(); }
 int64_t VllmRowPasses() { return vllm_row_passes.load(); }
-int64_t LongRowPartitionedCalls() { return long_row_partitioned_calls.load(); }
+int64_t LongRowRangeCalls() { return long_row_range_calls.load(); }
 
 int64_t ClaimSize(int64_t n, int64_t kvh, int64_t threads) {
   return kvstep::ClaimSize(n, kvh, threads);

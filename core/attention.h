@@ -23,10 +23,10 @@
 // keys read a block (every KV head) at a time (AttentionParams::
 // vllm_rows). The partitioned kernel (vLLM v2) also splits long
 // contexts into partitions reduced by max/exp-sum, for parallelism when
-// there are few rows, and (BestLongRowPartitions) for one-thread decode
-// calls of long rows, whose heads then take each 1024-key partition in
-// turn. Calls smaller than params.parallel_min_bytes run on
-// the calling thread only. Thread-compatible: the caller serializes
+// there are few rows. Decode calls of long rows (BestLongRowRanges) take
+// whole rows a thread instead, each in 1024-key ranges whose every KV
+// head runs before the next range. Calls smaller than params.parallel_min_bytes
+// run on the calling thread only. Thread-compatible: the caller serializes
 // writers of the cache.
 #ifndef KVSTEP_CORE_ATTENTION_H_
 #define KVSTEP_CORE_ATTENTION_H_
@@ -51,15 +51,15 @@ struct AttentionParams {
   float v_scale = 1;
   // kAuto: the partitioned kernel where a call's items are fewer than
   // twice its threads and its rows span several partitions; and, where
-  // BestLongRowPartitions (not on AMD), one-thread decode calls of
-  // per-KV-head items in the vLLM layout (16-bit and fp32 caches, the
-  // AVX-512 build) whose rows of 8192 keys or more hold at least half the
-  // call's keys and whose partitions' results fit 16 MiB, in 1024-key
-  // partitions whatever partition_size says (on
-  // the Intel Xeon of session 49: 0.93-0.98x the single pass's time at
-  // 8192 keys, 0.92x at 16384; docs/attention.md). The single pass
-  // otherwise. partition_size: the keys a partition under kPartitioned and
-  // the first kAuto case.
+  // BestLongRowRanges (not on AMD), decode calls of per-KV-head items in
+  // the vLLM layout (16-bit and fp32 caches, the AVX-512 build) whose rows
+  // of 8192 keys or more hold at least half the call's keys and, on more
+  // than one thread, whose rows balance as whole rows a thread: a single
+  // pass over each row in 1024-key ranges, every KV head's range before
+  // the next, merged as they come (on the Intel Xeon of session 50 the
+  // plain single pass took 1.04-1.09x the time at 8192 keys;
+  // docs/attention.md). The single pass otherwise. partition_size: the keys a
+  // partition under kPartitioned and the first kAuto case.
   enum class Kernel { kAuto, kSinglePass, kPartitioned };
   Kernel kernel = Kernel::kAuto;
   int64_t partition_size = 512;
@@ -282,12 +282,12 @@ AttentionParams::Bf16Keys BestBf16Keys(bool chunks = false);
 // CPU (AttentionParams::vllm_rows) for a cache of dtype `cache` and
 // `block_size` tokens a block; the gates that kOn keeps still apply.
 bool BestVllmRows(DType cache, int64_t block_size);
-// Whether kAuto takes one-thread decode calls of long rows by the
-// partitioned kernel at 1024-key partitions on this CPU for a cache of
+// Whether kAuto takes decode calls of long rows in 1024-key ranges, every
+// KV head's range before the next, on this CPU for a cache of
 // dtype `cache` in `layout` (see AttentionParams::kernel): the vLLM
 // layout, 16-bit and fp32 caches, where the best build is AVX-512; not on
 // AMD, where it was not measured.
-bool BestLongRowPartitions(DType cache, CacheLayout layout);
+bool BestLongRowRanges(DType cache, CacheLayout layout);
 
 struct AttentionRows {
   std::vector<int64_t> query_start;   // [n + 1], from 0 to num_tokens
@@ -378,9 +378,9 @@ int64_t NhdRowPasses();
 // at a time, over all KV heads (AttentionParams::vllm_rows), since the
 // process started.
 int64_t VllmRowPasses();
-// Calls that kAuto took by the partitioned kernel in long-row partitions
-// (BestLongRowPartitions).
-int64_t LongRowPartitionedCalls();
+// Calls that kAuto took as long rows in 1024-key ranges
+// (BestLongRowRanges), since the process started.
+int64_t LongRowRangeCalls();
 // How many consecutive (row, KV head) items of n a thread claims at a time
 // (kvh KV heads a row, `threads` threads); see attention.cc.
 int64_t ClaimSize(int64_t n, int64_t kvh, int64_t threads);

@@ -167,17 +167,16 @@ EngineInfo Engine::Info() const {
   const CacheConfig& c = cache_->config();
   const bool rows = BestIsa() == AttentionParams::Isa::kAvx512 &&
                     BestVllmRows(c.dtype, c.block_size);
-  // And whether one-thread decode calls of long rows take 1024-key
-  // partitions (BestLongRowPartitions; 16-bit and fp32 caches).
-  const bool long_parts = BestLongRowPartitions(c.dtype, c.layout);
-  info.attention_kernel = absl::StrCat(
-      IsaName(BestIsa()), ", ", PrefetchName(attention_prefetch_),
-      AmxSupported() ? ", AMX for 16-bit prefill" : "",
-      c.layout != CacheLayout::kVllm ? ""
-      : rows ? ", decode rows over every KV head where they fit"
-             : ", decode items per KV head",
-      long_parts ? ", long decode rows on one thread in 1024-key partitions"
-                 : "");
+  // And whether decode calls of long rows take 1024-key ranges
+  // (BestLongRowRanges; 16-bit and fp32 caches).
+  const bool long_ranges = BestLongRowRanges(c.dtype, c.layout);
+  info.attention_kernel =
+      absl::StrCat(IsaName(BestIsa()), ", ", PrefetchName(attention_prefetch_),
+                   AmxSupported() ? ", AMX for 16-bit prefill" : "",
+                   c.layout != CacheLayout::kVllm ? ""
+                   : rows ? ", decode rows over every KV head where they fit"
+                          : ", decode items per KV head",
+                   long_ranges ? ", long decode rows in 1024-key ranges" : "");
   info.stats = StatsLocked();
   return info;
 }

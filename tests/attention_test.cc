@@ -1814,19 +1814,17 @@ TEST(PagedAttention, VllmRowsAutoTakesThisCpusChoice) {
   }
 }
 
-// kAuto takes one-thread decode calls whose rows of 8192 keys or more
-// hold at least half the call's keys by the partitioned kernel at
-// 1024-key partitions where BestLongRowPartitions says so (vLLM layout,
-// 16-bit and fp32 caches, the AVX-512 build), and nothing else: not on
-// two threads, not with a kernel asked for, not for fp8 caches, the NHD
-// layout or a prefill row, nor where the long rows hold under half the
-// keys. The calls it takes match an fp64 reference (random K/V, unwritten
-// slots NaN, rows of 8197 and 100 keys on shuffled tables). Nor where
-// the partitions' results would pass 16 MiB: 64 rows of 8192 keys at 32
-// query heads over one KV head, head 256 (8 partitions x 32 heads x 258
-// floats a row: 16.9 MB), against 60 rows (15.85 MB), every row over the
-// same 8 zeroed blocks (only which kernel runs is checked there).
-TEST(PagedAttention, LongDecodeRowsAutoPartitionedOnOneThread) {
+// kAuto takes decode calls whose rows of 8192 keys or more hold at least
+// half the call's keys in 1024-key ranges where BestLongRowRanges says so
+// (vLLM layout, 16-bit and fp32 caches, the AVX-512 build), on two
+// threads only where whole rows a thread balance (two rows of equal
+// length, not three, nor a long and a short one), and nothing else: not
+// with a kernel asked for, not for fp8 caches, the NHD layout or a
+// prefill row, nor where the long rows hold under half the keys. The
+// calls it takes match an fp64 reference (random K/V, unwritten slots
+// NaN, shuffled tables), with and without a sliding window that starts a
+// row's keys inside a range.
+TEST(PagedAttention, LongDecodeRowsAutoInKeyRanges) {
   const bool avx512 = IsaSupported(AttentionParams::Isa::kAvx512);
   struct Call {
     DType cache;
@@ -1835,7 +1833,8 @@ TEST(PagedAttention, LongDecodeRowsAutoPartitionedOnOneThread) {
     AttentionParams::Kernel kernel;
     CacheLayout layout;
     int64_t tokens;  // query tokens of row 0
-    bool taken;      // where BestLongRowPartitions and AVX-512
+    bool taken;      // where BestLongRowRanges and AVX-512
+    int64_t window = 0;
   };
   const auto kAuto = AttentionParams::Kernel::kAuto;
   const auto kVllm = CacheLayout::kVllm;
@@ -1846,6 +1845,10 @@ TEST(PagedAttention, LongDecodeRowsAutoPartitionedOnOneThread) {
       {DType::kBFloat16, {8192, 8191, 100}, 1, kAuto, kVllm, 1, false},
       {DType::kBFloat16, {8191, 100}, 1, kAuto, kVllm, 1, false},
       {DType::kBFloat16, {8197, 100}, 2, kAuto, kVllm, 1, false},
+      {DType::kBFloat16, {8197, 8197}, 2, kAuto, kVllm, 1, true},
+      {DType::kFloat16, {8197, 8197}, 2, kAuto, kVllm, 1, true, 5000},
+      {DType::kBFloat16, {8197, 8197, 8197}, 2, kAuto, kVllm, 1, false},
+      {DType::kFloat32, {9000, 8192}, 1, kAuto, kVllm, 1, true, 3000},
       {DType::kBFloat16,
        {8197, 100},
        1,
@@ -1911,16 +1914,17 @@ TEST(PagedAttention, LongDecodeRowsAutoPartitionedOnOneThread) {
     const Tensor q = Activations(act, {T, H, D}, qraw);
     AttentionParams p;
     p.kernel = k.kernel;
+    p.sliding_window = k.window;
     p.parallel_min_bytes = 0;  // the pool, where given, for any call
-    const int64_t before = internal::LongRowPartitionedCalls();
+    const int64_t before = internal::LongRowRangeCalls();
     Tensor out;
     const absl::Status st = PagedAttention(
         *cache, 0, q, rows, p, k.threads == 2 ? &pool : nullptr, &out);
     ASSERT_TRUE(st.ok()) << st;
     const bool taken =
-        avx512 && BestLongRowPartitions(DType::kBFloat16, CacheLayout::kVllm) &&
+        avx512 && BestLongRowRanges(DType::kBFloat16, CacheLayout::kVllm) &&
         k.taken;
-    EXPECT_EQ(internal::LongRowPartitionedCalls() - before, taken ? 1 : 0)
+    EXPECT_EQ(internal::LongRowRangeCalls() - before, taken ? 1 : 0)
         << DTypeName(k.cache) << " " << CacheLayoutName(k.layout) << " rows "
         << n << " of " << k.lens[0] << " keys, " << k.threads << " threads";
     if (!k.taken) continue;
@@ -1928,11 +1932,13 @@ TEST(PagedAttention, LongDecodeRowsAutoPartitionedOnOneThread) {
     const double scale = 1.0 / std::sqrt(static_cast<double>(D));
     for (int64_t r = 0; r < n; ++r) {
       const int64_t qi = rows.query_start[r + 1] - 1, len = k.lens[r];
+      const int64_t first =
+          k.window > 0 ? std::max<int64_t>(0, len - k.window) : 0;
       for (int64_t h = 0; h < H; ++h) {
         const int64_t g = h / (H / KV);
-        std::vector<double> w(len);
+        std::vector<double> w(len, -INFINITY);
         double mx = -INFINITY, sum = 0;
-        for (int64_t j = 0; j < len; ++j) {
+        for (int64_t j = first; j < len; ++j) {
           double dot = 0;
           for (int64_t d = 0; d < D; ++d) {
             dot += static_cast<double>(Act(q, (qi * H + h) * D + d)) *
@@ -1944,7 +1950,7 @@ TEST(PagedAttention, LongDecodeRowsAutoPartitionedOnOneThread) {
         for (double& x : w) sum += (x = std::exp(x - mx));
         for (int64_t d = 0; d < D; ++d) {
           double want = 0;
-          for (int64_t j = 0; j < len; ++j) {
+          for (int64_t j = first; j < len; ++j) {
             want += w[j] / sum * V[r][(j * KV + g) * D + d];
           }
           const double got = Act(out, (qi * H + h) * D + d);
@@ -1954,32 +1960,6 @@ TEST(PagedAttention, LongDecodeRowsAutoPartitionedOnOneThread) {
         }
       }
     }
-  }
-  for (int64_t batch : {60, 64}) {
-    const int64_t keys = 8192, width = keys / bs;
-    auto cache = SmallCache(DType::kBFloat16, 8, bs, 1, 256);
-    AttentionRows rows;
-    rows.num_real = batch;
-    rows.width = width;
-    for (int64_t r = 0; r <= batch; ++r) rows.query_start.push_back(r);
-    rows.seq_lens.assign(batch, keys);
-    for (int64_t i = 0; i < batch * width; ++i) {
-      rows.block_tables.push_back(i % 8);
-    }
-    const Tensor q =
-        *Tensor::Zeros(CpuDevice(), DType::kBFloat16, {batch, 32, 256});
-    const int64_t before = internal::LongRowPartitionedCalls();
-    Tensor out;
-    ASSERT_TRUE(
-        PagedAttention(*cache, 0, q, rows, AttentionParams(), nullptr, &out)
-            .ok());
-    EXPECT_EQ(
-        internal::LongRowPartitionedCalls() - before,
-        avx512 && BestLongRowPartitions(DType::kBFloat16, CacheLayout::kVllm) &&
-                batch == 60
-            ? 1
-            : 0)
-        << batch << " rows";
   }
 }
 

@@ -589,10 +589,10 @@ TEST(EngineOptions, AttentionPrefetchIsReportedAndChangesNoResult) {
                                   BestVllmRows(DType::kBFloat16, 16)
                               ? "decode rows over every KV head"
                               : "decode items per KV head"));
-    EXPECT_EQ((*e)->Info().attention_kernel.find("1024-key partitions") !=
+    EXPECT_EQ((*e)->Info().attention_kernel.find("1024-key ranges") !=
                   std::string::npos,
               BestIsa() == AttentionParams::Isa::kAvx512 &&
-                  BestLongRowPartitions(DType::kBFloat16, CacheLayout::kVllm));
+                  BestLongRowRanges(DType::kBFloat16, CacheLayout::kVllm));
     absl::StatusOr<Tensor> out = (*e)->PagedAttentionExplicit(req, rows, slots);
     ASSERT_TRUE(out.ok()) << out.status();
     const auto* b = static_cast<const uint8_t*>(out->raw_data());
