@@ -1142,9 +1142,11 @@ int64_t ClaimSize(int64_t n, int64_t kvh, int64_t threads) {
   return 1;
 }
 
-// Run's long decode rows under kAuto (BestLongRowRanges): rows of at
-// least kLongRowKeys keys, in ranges of kLongRowRange keys.
-constexpr int64_t kLongRowKeys = 8192;
+// Run's long decode rows under kAuto (BestLongRowRanges): rows whose keys
+// (within the sliding window) hold at least kLongRowBytes of K/V a KV head
+// (8192 keys of a 16-bit cache at head size 128, 4096 of fp32), in ranges
+// of kLongRowRange keys.
+constexpr int64_t kLongRowBytes = int64_t{4} << 20;
 constexpr int64_t kLongRowRange = 1024;
 
 // Whether rows of `keys` keys each, claimed in order by `threads` threads
@@ -1232,32 +1234,36 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   // whole row (an MQA prefill chunk at 32k keys: 16 tokens x 32 heads x 32k
   // floats, 64 MB), v2's 512-key partitions do not.
   // Long decode rows (A::LongRowRanges: the Intel Xeon's choice), where
-  // rows of kLongRowKeys keys or more hold at least half the call's keys
-  // and whole rows a thread balance (RowClaimsBalance), take each row in
-  // kLongRowRange-key ranges, every KV head's range before the next range
-  // (below). In a per-KV-head item the next head reads the slices beside
-  // this head's, whose page translations (this VM's host maps guest
-  // memory in 4 KB pages; one 64-byte page-table line covers a block's 32
-  // KB of slices) the single pass's 4 MB of K/V a head at 8192 keys has
-  // pushed out of L2: walks that a call after a flush of its lines, which
-  // leaves those lines cached, does without, taking 0.926x the time at
-  // 8192 keys and 1.00x at 1024 (bf16, equal bytes; session 49). v1 took
-  // 1.04-1.09x the time of the ranges at 8192 keys on one thread (bf16,
-  // batches 16-256) and 1.03-1.09x on two (bf16, fp16, fp32), but
-  // 0.996-1.003x at 4096 keys; ranges of 512 keys lost 2-4% to 1024
-  // (docs/attention.md, session 50).
-  int64_t long_keys = 0, all_keys = 0;
-  for (int64_t r = 0; r < rows.num_real; ++r) {
-    all_keys += rows.seq_lens[r];
-    if (rows.seq_lens[r] >= kLongRowKeys) long_keys += rows.seq_lens[r];
+  // rows of kLongRowBytes a KV head or more hold at least half the call's
+  // keys and whole rows a thread balance (RowClaimsBalance), take each row
+  // in kLongRowRange-key ranges, every KV head's range before the next
+  // range (below). In a per-KV-head item the next head reads the slices
+  // beside this head's, whose page translations (this VM's host maps
+  // guest memory in 4 KB pages; one 64-byte page-table line covers a
+  // block's 32 KB of slices) the single pass's 4 MB of K/V a head at 8192
+  // 16-bit keys has pushed out of L2: walks that a call after a flush of
+  // its lines, which leaves those lines cached, does without, taking
+  // 0.926x the time at 8192 keys and 1.00x at 1024 (bf16, equal bytes;
+  // session 49). The single pass took 1.03-1.09x the time of the ranges
+  // at 8192 16-bit keys (batches 1-256, one and two threads) and
+  // 1.05-1.12x at 4096 and 8192 fp32 keys; at 4096 16-bit keys (2 MB a
+  // head) 0.98-1.02x, at 2048 fp32 keys 1.00x; ranges of 512 keys lost
+  // 2-4% to 1024 (docs/attention.md, session 50).
+  bool long_rows = p.kernel == AttentionParams::Kernel::kAuto &&
+                   max_tokens == 1 && !by_rows && a.LongRowRanges();
+  if (long_rows) {
+    std::vector<int64_t> keys(static_cast<size_t>(rows.num_real));
+    int64_t long_keys = 0, all_keys = 0;
+    for (int64_t r = 0; r < rows.num_real; ++r) {
+      keys[r] = p.sliding_window > 0
+                    ? std::min(rows.seq_lens[r], p.sliding_window)
+                    : rows.seq_lens[r];
+      all_keys += keys[r];
+      if (keys[r] * D * esize * 2 >= kLongRowBytes) long_keys += keys[r];
+    }
+    long_rows = long_keys > 0 && 2 * long_keys >= all_keys &&
+                RowClaimsBalance(keys, threads);
   }
-  const bool long_rows =
-      p.kernel == AttentionParams::Kernel::kAuto && max_tokens == 1 &&
-      !by_rows && a.LongRowRanges() && long_keys > 0 &&
-      2 * long_keys >= all_keys &&
-      RowClaimsBalance(absl::MakeConstSpan(rows.seq_lens.data(),
-                                           static_cast<size_t>(rows.num_real)),
-                       threads);
   const bool partitioned =
       p.kernel == AttentionParams::Kernel::kPartitioned ||
       (p.kernel == AttentionParams::Kernel::kAuto && max_parts > 1 &&

@@ -1814,16 +1814,17 @@ TEST(PagedAttention, VllmRowsAutoTakesThisCpusChoice) {
   }
 }
 
-// kAuto takes decode calls whose rows of 8192 keys or more hold at least
-// half the call's keys in 1024-key ranges where BestLongRowRanges says so
-// (vLLM layout, 16-bit and fp32 caches, the AVX-512 build), on two
-// threads only where whole rows a thread balance (two rows of equal
-// length, not three, nor a long and a short one), and nothing else: not
-// with a kernel asked for, not for fp8 caches, the NHD layout or a
-// prefill row, nor where the long rows hold under half the keys. The
-// calls it takes match an fp64 reference (random K/V, unwritten slots
-// NaN, shuffled tables), with and without a sliding window that starts a
-// row's keys inside a range.
+// kAuto takes decode calls whose rows of 4 MiB of K/V a KV head or more
+// (head 128: 8192 keys of a 16-bit cache, 4096 of fp32; keys within the
+// sliding window) hold at least half the call's keys in 1024-key ranges
+// where BestLongRowRanges says so (vLLM layout, 16-bit and fp32 caches,
+// the AVX-512 build), on two threads only where whole rows a thread
+// balance (two rows of equal length, not three, nor a long and a short
+// one), and nothing else: not with a kernel asked for, not for fp8
+// caches, the NHD layout or a prefill row, nor where the long rows hold
+// under half the keys. The calls it takes match an fp64 reference
+// (random K/V, unwritten slots NaN, shuffled tables), with and without a
+// sliding window that starts a row's keys inside a range.
 TEST(PagedAttention, LongDecodeRowsAutoInKeyRanges) {
   const bool avx512 = IsaSupported(AttentionParams::Isa::kAvx512);
   struct Call {
@@ -1841,14 +1842,16 @@ TEST(PagedAttention, LongDecodeRowsAutoInKeyRanges) {
   const Call calls[] = {
       {DType::kBFloat16, {8197, 100}, 1, kAuto, kVllm, 1, true},
       {DType::kFloat16, {8197, 100}, 1, kAuto, kVllm, 1, true},
-      {DType::kFloat32, {8192, 8100}, 1, kAuto, kVllm, 1, true},
+      {DType::kFloat32, {4096, 4000}, 1, kAuto, kVllm, 1, true},
+      {DType::kFloat32, {4095, 100}, 1, kAuto, kVllm, 1, false},
       {DType::kBFloat16, {8192, 8191, 100}, 1, kAuto, kVllm, 1, false},
       {DType::kBFloat16, {8191, 100}, 1, kAuto, kVllm, 1, false},
+      {DType::kBFloat16, {12000, 100}, 1, kAuto, kVllm, 1, false, 8191},
       {DType::kBFloat16, {8197, 100}, 2, kAuto, kVllm, 1, false},
       {DType::kBFloat16, {8197, 8197}, 2, kAuto, kVllm, 1, true},
-      {DType::kFloat16, {8197, 8197}, 2, kAuto, kVllm, 1, true, 5000},
+      {DType::kFloat16, {12000, 12000}, 2, kAuto, kVllm, 1, true, 9000},
       {DType::kBFloat16, {8197, 8197, 8197}, 2, kAuto, kVllm, 1, false},
-      {DType::kFloat32, {9000, 8192}, 1, kAuto, kVllm, 1, true, 3000},
+      {DType::kFloat32, {9000, 8192}, 1, kAuto, kVllm, 1, true, 5000},
       {DType::kBFloat16,
        {8197, 100},
        1,
@@ -1860,7 +1863,7 @@ TEST(PagedAttention, LongDecodeRowsAutoInKeyRanges) {
       {DType::kBFloat16, {8197, 100}, 1, kAuto, CacheLayout::kNhd, 1, false},
       {DType::kBFloat16, {8197, 100}, 1, kAuto, kVllm, 2, false},
   };
-  const int64_t bs = 16, KV = 2, H = 8, D = 64;
+  const int64_t bs = 16, KV = 2, H = 8, D = 128;
   ThreadPool pool(2);
   std::mt19937_64 rng(11);
   std::uniform_real_distribution<float> uni(-1, 1);
