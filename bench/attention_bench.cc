@@ -347,8 +347,8 @@ std::string Describe(const AttentionParams& p) {
   return std::string("kernel ") + KernelName(p.kernel) +
          (p.kernel == AttentionParams::Kernel::kAuto &&
                   BestLongRowRanges(DType::kBFloat16, CacheLayout::kVllm)
-              ? " (decode of rows of 8192 keys and more in 1024-key "
-                "ranges)"
+              ? " (decode of rows of 4 MiB of K/V a KV head and more in "
+                "1024-key ranges)"
               : "") +
          ", " + IsaName(p.isa) + " instruction set, " +
          PrefetchWords(p.prefetch) + ", bf16 keys " +
