@@ -1152,7 +1152,7 @@ constexpr int64_t kLongRowRange = 1024;
 // Whether rows of `keys` keys each, claimed in order by `threads` threads
 // (each taking the next row as it finishes one), finish within
 // kLongRowSlack of an even split of the keys: Run's long rows are whole
-// rows a thread, which gained 3-9% on two threads where they balance
+// rows a thread, which gained 3-11% on two threads where they balance
 // (docs/attention.md, session 50) and would lose far more where one
 // thread is left with a row the other has no match for (batch 1: half).
 // Always true on one thread.
