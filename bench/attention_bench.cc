@@ -31,7 +31,7 @@
 //       [--vs=isa=avx2|kernel=v1|kernel=v2|...]
 //       [--pool_mib=N]
 //       [--tables=random|sorted|sequential|descending|runs|churn|churn_runs]
-//       [--run_blocks=L]
+//       [--run_blocks=L] [--len_spread=F]
 //       [--max_gb=2]
 //       [--prefetch=auto|nta|t0|t1] [--flush_mib=N]
 //       [--bf16_keys=auto|dot|widen] [--amx=on|off] [--fp8_dot=on|off]
@@ -64,6 +64,10 @@
 // in its default order and in --block_order=runs; a "#" line gives each
 // case's share of consecutive entries, and the pool is a quarter larger
 // than the batch's blocks (--max_gb counts the batch's alone).
+//
+// --len_spread=F (decode, 0 <= F < 1) gives row r seq_len ctx minus a
+// random share of up to F of it (the same draw every run), as a server's
+// batch of rows of different lengths; bytes are counted from the lengths.
 //
 // --touch_min_mib and --touch_min_blocks set AttentionParams' slice touch
 // gates (by default this CPU's; 0 and 0 touch every item, a huge
@@ -465,7 +469,8 @@ struct Options {
   // Tokens a block (--block_size=): 8, 16 or 32, the kernel's sizes; the
   // goal's grid is at 16, vLLM's default.
   int64_t block_size = 16;
-  int64_t prefill = 0;  // query tokens per row; 0: decode (one)
+  int64_t prefill = 0;    // query tokens per row; 0: decode (one)
+  double len_spread = 0;  // decode rows' lengths over [ctx (1 - F), ctx]
   // The query's dtype (--query=); kInvalid: the cache's (bf16 for fp8).
   DType query = DType::kInvalid;
   // The pool's K+V size at least (MiB), the batch's blocks drawn at random
@@ -883,6 +888,17 @@ Setup MakeSetup(DType dtype, int64_t ctx, int64_t batch, const Options& o) {
   const int64_t nq = o.prefill > 0 ? std::min(o.prefill, ctx) : 1;
   for (int64_t r = 0; r <= batch; ++r) rows.query_start.push_back(r * nq);
   rows.seq_lens.assign(batch, ctx);
+  if (o.prefill == 0 && o.len_spread > 0) {
+    std::mt19937_64 len_rng(2);
+    std::uniform_real_distribution<double> share(0.0, o.len_spread);
+    for (int64_t& len : rows.seq_lens) {
+      len = std::max<int64_t>(
+          1, ctx - static_cast<int64_t>(share(len_rng) *
+                                        static_cast<double>(ctx)));
+    }
+  }
+  const double all_keys = static_cast<double>(
+      std::accumulate(rows.seq_lens.begin(), rows.seq_lens.end(), int64_t{0}));
   if (o.ab) {
     st.vs_rows = rows;
     st.vs_rows.block_tables = tables(o.vs_tables);
@@ -893,7 +909,7 @@ Setup MakeSetup(DType dtype, int64_t ctx, int64_t batch, const Options& o) {
                                                : dtype;
   st.q = *Tensor::Zeros(CpuDevice(), act, {batch * nq, 32, 128});
   std::memset(st.q.raw_data(), 0x11, st.q.nbytes());
-  st.work = 2.0 * batch * ctx * c.num_kv_heads * c.head_size *
+  st.work = 2.0 * all_keys * c.num_kv_heads * c.head_size *
             static_cast<double>(DTypeSize(dtype));
   if (o.prefill > 0) {
     const double keys = static_cast<double>(nq) * ctx - nq * (nq - 1) / 2.0;
@@ -1160,6 +1176,8 @@ int main(int argc, char** argv) {
       o.layout = kvstep::CacheLayout::kNhd;
     } else if (a == "--layout=vllm") {
       o.layout = kvstep::CacheLayout::kVllm;
+    } else if (const char* v = value("--len_spread=")) {
+      o.len_spread = std::clamp(std::atof(v), 0.0, 0.99);
     } else if (const char* v = value("--run_blocks=")) {
       o.run_blocks = std::max<int64_t>(0, std::atoll(v));
     } else if (const char* v = value("--pool_mib=")) {
@@ -1295,6 +1313,10 @@ int main(int argc, char** argv) {
       kvstep::TablesName(o.tables));
   if (o.run_blocks > 0) {
     std::printf(" (runs of %ld blocks)", static_cast<long>(o.run_blocks));
+  }
+  if (o.len_spread > 0 && o.prefill == 0) {
+    std::printf(", decode rows' lengths over [%.2f, 1] of the context",
+                1.0 - o.len_spread);
   }
   std::printf("; ");
   if (o.CyclesLayers() && o.cold_mode == kvstep::Options::ColdMode::kLayers) {

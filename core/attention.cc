@@ -8,6 +8,7 @@
 #include <limits>
 #include <memory>
 #include <new>
+#include <numeric>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -1149,12 +1150,14 @@ int64_t ClaimSize(int64_t n, int64_t kvh, int64_t threads) {
 constexpr int64_t kLongRowBytes = int64_t{4} << 20;
 constexpr int64_t kLongRowRange = 1024;
 
-// Whether rows of `keys` keys each, claimed in order by `threads` threads
-// (each taking the next row as it finishes one), finish within
+// Whether rows of `keys` keys each, claimed in that order by `threads`
+// threads (each taking the next row as it finishes one), finish within
 // kLongRowSlack of an even split of the keys: Run's long rows are whole
 // rows a thread, which gained 3-11% on two threads where they balance
 // (docs/attention.md, session 50) and would lose far more where one
 // thread is left with a row the other has no match for (batch 1: half).
+// Run offers the rows longest first, which balances where index order
+// may not (rows of 8k, 8k and 16k keys on two threads: 1.0 against 1.5).
 // Always true on one thread.
 constexpr double kLongRowSlack = 1.02;
 bool RowClaimsBalance(absl::Span<const int64_t> keys, int64_t threads) {
@@ -1251,6 +1254,9 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   // 2-4% to 1024 (docs/attention.md, session 50).
   bool long_rows = p.kernel == AttentionParams::Kernel::kAuto &&
                    max_tokens == 1 && !by_rows && a.LongRowRanges();
+  // Long rows' claim order: the rows by their keys, longest first, on
+  // more than one thread (RowClaimsBalance); as they come on one.
+  std::vector<int64_t> row_order;
   if (long_rows) {
     std::vector<int64_t> keys(static_cast<size_t>(rows.num_real));
     int64_t long_keys = 0, all_keys = 0;
@@ -1261,8 +1267,17 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
       all_keys += keys[r];
       if (keys[r] * D * esize * 2 >= kLongRowBytes) long_keys += keys[r];
     }
+    row_order.resize(keys.size());
+    std::iota(row_order.begin(), row_order.end(), 0);
+    if (threads > 1) {
+      std::stable_sort(
+          row_order.begin(), row_order.end(),
+          [&keys](int64_t x, int64_t y) { return keys[x] > keys[y]; });
+    }
+    std::vector<int64_t> claimed(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) claimed[i] = keys[row_order[i]];
     long_rows = long_keys > 0 && 2 * long_keys >= all_keys &&
-                RowClaimsBalance(keys, threads);
+                RowClaimsBalance(claimed, threads);
   }
   const bool partitioned =
       p.kernel == AttentionParams::Kernel::kPartitioned ||
@@ -1311,7 +1326,8 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
     // are whole rows.
     long_row_range_calls.fetch_add(1, std::memory_order_relaxed);
     run_items(
-        [&](Scratch& scratch, int64_t r) {
+        [&](Scratch& scratch, int64_t i) {
+          const int64_t r = row_order[i];
           const int64_t qi = rows.query_start[r], qe = rows.query_start[r + 1];
           if (qi == qe) return;
           scratch.running.resize(kvh * G * (D + 2));

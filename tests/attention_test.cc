@@ -1819,8 +1819,9 @@ TEST(PagedAttention, VllmRowsAutoTakesThisCpusChoice) {
 // sliding window) hold at least half the call's keys in 1024-key ranges
 // where BestLongRowRanges says so (vLLM layout, 16-bit and fp32 caches,
 // the AVX-512 build), on two threads only where whole rows a thread
-// balance (two rows of equal length, not three, nor a long and a short
-// one), and nothing else: not with a kernel asked for, not for fp8
+// balance, longest first (two rows of equal length, or rows of 8200, 8200
+// and 16400 keys; not three equal ones, nor a long and a short one), and
+// nothing else: not with a kernel asked for, not for fp8
 // caches, the NHD layout or a prefill row, nor where the long rows hold
 // under half the keys. The calls it takes match an fp64 reference
 // (random K/V, unwritten slots NaN, shuffled tables), with and without a
@@ -1851,6 +1852,7 @@ TEST(PagedAttention, LongDecodeRowsAutoInKeyRanges) {
       {DType::kBFloat16, {8197, 8197}, 2, kAuto, kVllm, 1, true},
       {DType::kFloat16, {12000, 12000}, 2, kAuto, kVllm, 1, true, 9000},
       {DType::kBFloat16, {8197, 8197, 8197}, 2, kAuto, kVllm, 1, false},
+      {DType::kBFloat16, {8200, 8200, 16400}, 2, kAuto, kVllm, 1, true},
       {DType::kFloat32, {9000, 8192}, 1, kAuto, kVllm, 1, true, 5000},
       {DType::kBFloat16,
        {8197, 100},
