@@ -1343,11 +1343,11 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
               if (k0 == lo) {
                 a.PartialHeads(scratch, r, h, h + 1, qi, ntok, pos0, k0, k1,
                                run_m + h * G, run_s + h * G,
-                               run_acc + h * G * D);
+                               run_acc + h * G * D, hi - lo);
               } else {
                 a.PartialHeads(scratch, r, h, h + 1, qi, ntok, pos0, k0, k1,
                                scratch.m.data(), scratch.s.data(),
-                               scratch.acc.data());
+                               scratch.acc.data(), hi - lo);
                 a.Merge(G, scratch.m.data(), scratch.s.data(),
                         scratch.acc.data(), run_m + h * G, run_s + h * G,
                         run_acc + h * G * D);

@@ -92,7 +92,9 @@ struct AttentionParams {
   // 1-4 GB took 0.94-0.97x the time with items of 256 blocks touched, 0.97-
   // 0.99x with items of 128 (one and two threads, bf16, fp16 and fp32),
   // items of 64 0.98-1.01x; calls under 512 MiB 0.97-1.01x
-  // (docs/attention.md). 0 and 0: always (tests).
+  // (docs/attention.md). The long rows' 1024-key ranges (kernel) are gated
+  // as their rows are: each range touched (1-4 GB calls 0.97-0.98x the
+  // time of none, session 50). 0 and 0: always (tests).
   int64_t touch_min_bytes = -1;
   int64_t touch_min_blocks = -1;
   // kBest runs the widest kernel this CPU has: AVX-512 (F, BW, VL, DQ and

@@ -1825,7 +1825,8 @@ TEST(PagedAttention, VllmRowsAutoTakesThisCpusChoice) {
 // caches, the NHD layout or a prefill row, nor where the long rows hold
 // under half the keys. The calls it takes match an fp64 reference
 // (random K/V, unwritten slots NaN, shuffled tables), with and without a
-// sliding window that starts a row's keys inside a range.
+// sliding window that starts a row's keys inside a range, and with the
+// slice touch forced (the first eight calls).
 TEST(PagedAttention, LongDecodeRowsAutoInKeyRanges) {
   const bool avx512 = IsaSupported(AttentionParams::Isa::kAvx512);
   struct Call {
@@ -1921,6 +1922,9 @@ TEST(PagedAttention, LongDecodeRowsAutoInKeyRanges) {
     p.kernel = k.kernel;
     p.sliding_window = k.window;
     p.parallel_min_bytes = 0;  // the pool, where given, for any call
+    if (&k - calls < 8) {      // ranges that touch their slices first
+      p.touch_min_bytes = p.touch_min_blocks = 0;
+    }
     const int64_t before = internal::LongRowRangeCalls();
     Tensor out;
     const absl::Status st = PagedAttention(
