@@ -1247,11 +1247,12 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   // 16-bit keys has pushed out of L2: walks that a call after a flush of
   // its lines, which leaves those lines cached, does without, taking
   // 0.926x the time at 8192 keys and 1.00x at 1024 (bf16, equal bytes;
-  // session 49). The single pass took 1.03-1.09x the time of the ranges
-  // at 8192 16-bit keys (batches 1-256, one and two threads) and
-  // 1.05-1.12x at 4096 and 8192 fp32 keys; at 4096 16-bit keys (2 MB a
-  // head) 0.98-1.02x, at 2048 fp32 keys 1.00x; ranges of 512 keys lost
-  // 2-4% to 1024 (docs/attention.md, session 50).
+  // session 49). The single pass took 1.03-1.12x the time of the ranges
+  // at 8192 16-bit keys (batches 1-256, one and two threads), 1.05-1.12x
+  // at 4096 and 8192 fp32 keys, 1.12-1.13x for 8-32 rows of 8k-16k keys
+  // on two threads; at 4096 16-bit keys (2 MB a head) 0.98-1.02x, at 2048
+  // fp32 keys 1.00x; ranges of 512 keys lost 2-4% to 1024
+  // (docs/attention.md, session 50).
   bool long_rows = p.kernel == AttentionParams::Kernel::kAuto &&
                    max_tokens == 1 && !by_rows && a.LongRowRanges();
   // Long rows' claim order: the rows by their keys, longest first, on

@@ -58,7 +58,7 @@ struct AttentionParams {
   // keys and, on more than one thread, whose rows balance as whole rows a
   // thread: a single pass over each row in 1024-key ranges, every KV
   // head's range before the next, merged as they come (on the Intel Xeon
-  // of session 50 the plain single pass took 1.03-1.12x the time there;
+  // of session 50 the plain single pass took 1.03-1.13x the time there;
   // docs/attention.md). The single pass otherwise. partition_size: the keys a
   // partition under kPartitioned and the first kAuto case.
   enum class Kernel { kAuto, kSinglePass, kPartitioned };
