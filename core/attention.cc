@@ -1173,6 +1173,13 @@ bool RowClaimsBalance(absl::Span<const int64_t> keys, int64_t threads) {
          kLongRowSlack * static_cast<double>(all);
 }
 
+// The items Run's long rows split each row into: one, except for a call of
+// one row on more than one thread, whose ranges are split between the
+// threads (that row's claims cannot balance as a whole).
+int64_t RowSpans(int64_t rows, int64_t threads) {
+  return rows == 1 && threads > 1 ? threads : 1;
+}
+
 // Schedules the kernel A (an Attender) over (row, KV head) items, or over
 // (row, KV head, partition) items plus a reduction.
 template <typename A>
@@ -1278,7 +1285,8 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
     std::vector<int64_t> claimed(keys.size());
     for (size_t i = 0; i < keys.size(); ++i) claimed[i] = keys[row_order[i]];
     long_rows = long_keys > 0 && 2 * long_keys >= all_keys &&
-                RowClaimsBalance(claimed, threads);
+                (RowSpans(rows.num_real, threads) > 1 ||
+                 RowClaimsBalance(claimed, threads));
   }
   const bool partitioned =
       p.kernel == AttentionParams::Kernel::kPartitioned ||
@@ -1326,22 +1334,41 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
     // results (kvh x G x (head_size + 2) floats) whatever its size. Items
     // are whole rows.
     long_row_range_calls.fetch_add(1, std::memory_order_relaxed);
+    // One row on more threads (RowSpans): its ranges in `spans` runs of
+    // consecutive ranges, an item each, whose results the last to finish
+    // merges in span order.
+    const int64_t spans = RowSpans(rows.num_real, threads);
+    const int64_t per = kvh * G * (D + 2);  // a row's running acc, m, s
+    std::vector<float> span_results(spans > 1 ? spans * per : 0);
+    std::vector<uint8_t> span_used(spans, 0);
+    std::atomic<int64_t> spans_left{spans};
     run_items(
         [&](Scratch& scratch, int64_t i) {
-          const int64_t r = row_order[i];
+          const int64_t r = row_order[i / spans], j = i % spans;
           const int64_t qi = rows.query_start[r], qe = rows.query_start[r + 1];
-          if (qi == qe) return;
-          scratch.running.resize(kvh * G * (D + 2));
-          float* run_acc = scratch.running.data();  // [kvh][G][D], then m, s
+          float* run_acc;  // [kvh][G][D], then m, s
+          if (spans > 1) {
+            run_acc = &span_results[j * per];
+          } else {
+            scratch.running.resize(per);
+            run_acc = scratch.running.data();
+          }
           float* run_m = run_acc + kvh * G * D;
           float* run_s = run_m + kvh * G;
-          int64_t ntok, pos0, lo, hi;
-          a.Chunk(r, qi, qe, &ntok, &pos0, &lo, &hi);
-          for (int64_t k0 = lo; k0 < hi;) {
+          int64_t ntok = 0, pos0 = 0, lo = 0, hi = 0;
+          if (qi < qe) a.Chunk(r, qi, qe, &ntok, &pos0, &lo, &hi);
+          // Span j's ranges of the row's n (aligned to kLongRowRange keys).
+          const int64_t first = lo / kLongRowRange;
+          const int64_t n = hi > lo ? (hi - 1) / kLongRowRange - first + 1 : 0;
+          const int64_t a0 =
+              std::max(lo, (first + j * n / spans) * kLongRowRange);
+          const int64_t b0 =
+              std::min(hi, (first + (j + 1) * n / spans) * kLongRowRange);
+          for (int64_t k0 = a0; k0 < b0;) {
             const int64_t k1 =
-                std::min(hi, (k0 / kLongRowRange + 1) * kLongRowRange);
+                std::min(b0, (k0 / kLongRowRange + 1) * kLongRowRange);
             for (int64_t h = 0; h < kvh; ++h) {
-              if (k0 == lo) {
+              if (k0 == a0) {
                 a.PartialHeads(scratch, r, h, h + 1, qi, ntok, pos0, k0, k1,
                                run_m + h * G, run_s + h * G,
                                run_acc + h * G * D, hi - lo);
@@ -1356,11 +1383,38 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
             }
             k0 = k1;
           }
+          if (spans > 1) {
+            span_used[j] = a0 < b0;
+            // acq_rel: the other spans' results and flags before the last
+            // one's reads.
+            if (spans_left.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+            int64_t base = -1;
+            for (int64_t t = 0; t < spans; ++t) {
+              if (!span_used[t]) continue;
+              if (base < 0) {
+                base = t;
+                continue;
+              }
+              const float* acc2 = &span_results[t * per];
+              float* acc = &span_results[base * per];
+              for (int64_t h = 0; h < kvh; ++h) {
+                a.Merge(G, acc2 + kvh * G * D + h * G,
+                        acc2 + kvh * G * (D + 1) + h * G, acc2 + h * G * D,
+                        acc + kvh * G * D + h * G,
+                        acc + kvh * G * (D + 1) + h * G, acc + h * G * D);
+              }
+            }
+            if (base < 0) return;  // no query token
+            run_acc = &span_results[base * per];
+            run_s = run_acc + kvh * G * (D + 1);
+          } else if (a0 >= b0) {
+            return;  // no query token
+          }
           for (int64_t h = 0; h < kvh; ++h) {
             a.Store(qi, h, run_acc + h * G * D, run_s + h * G);
           }
         },
-        rows.num_real, 1);
+        rows.num_real * spans, 1);
     return;
   }
   if (!partitioned) {

@@ -1820,7 +1820,9 @@ TEST(PagedAttention, VllmRowsAutoTakesThisCpusChoice) {
 // where BestLongRowRanges says so (vLLM layout, 16-bit and fp32 caches,
 // the AVX-512 build), on two threads only where whole rows a thread
 // balance, longest first (two rows of equal length, or rows of 8200, 8200
-// and 16400 keys; not three equal ones, nor a long and a short one), and
+// and 16400 keys; not three equal ones, nor a long and a short one), or
+// where the call is one row, split between the threads (with a window
+// too), and
 // nothing else: not with a kernel asked for, not for fp8
 // caches, the NHD layout or a prefill row, nor where the long rows hold
 // under half the keys. The calls it takes match an fp64 reference
@@ -1854,6 +1856,8 @@ TEST(PagedAttention, LongDecodeRowsAutoInKeyRanges) {
       {DType::kFloat16, {12000, 12000}, 2, kAuto, kVllm, 1, true, 9000},
       {DType::kBFloat16, {8197, 8197, 8197}, 2, kAuto, kVllm, 1, false},
       {DType::kBFloat16, {8200, 8200, 16400}, 2, kAuto, kVllm, 1, true},
+      {DType::kBFloat16, {9000}, 2, kAuto, kVllm, 1, true},
+      {DType::kFloat32, {12000}, 2, kAuto, kVllm, 1, true, 7000},
       {DType::kFloat32, {9000, 8192}, 1, kAuto, kVllm, 1, true, 5000},
       {DType::kBFloat16,
        {8197, 100},
