@@ -56,8 +56,9 @@ struct AttentionParams {
   // of 4 MiB of K/V a KV head or more (at head 128: 8192 16-bit keys, 4096
   // fp32; keys within the sliding window) hold at least half the call's
   // keys and, on more than one thread, whose rows balance as whole rows a
-  // thread: a single pass over each row in 1024-key ranges, every KV
-  // head's range before the next, merged as they come (on the Intel Xeon
+  // thread (or that are one row, whose ranges the threads then split): a
+  // single pass over each row in 1024-key ranges, every KV head's range
+  // before the next, merged as they come (on the Intel Xeon
   // of session 50 the plain single pass took 1.03-1.13x the time there;
   // docs/attention.md). The single pass otherwise. partition_size: the keys a
   // partition under kPartitioned and the first kAuto case.
