@@ -1266,27 +1266,30 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   // more than one thread (RowClaimsBalance); as they come on one.
   std::vector<int64_t> row_order;
   if (long_rows) {
+    // A row's keys: its decode query's range (within the sliding window).
     std::vector<int64_t> keys(static_cast<size_t>(rows.num_real));
     int64_t long_keys = 0, all_keys = 0;
     for (int64_t r = 0; r < rows.num_real; ++r) {
-      keys[r] = p.sliding_window > 0
-                    ? std::min(rows.seq_lens[r], p.sliding_window)
-                    : rows.seq_lens[r];
+      int64_t lo, hi;
+      a.Range(rows.seq_lens[r] - 1, &lo, &hi);
+      keys[r] = hi - lo;
       all_keys += keys[r];
       if (keys[r] * D * esize * 2 >= kLongRowBytes) long_keys += keys[r];
     }
-    row_order.resize(keys.size());
-    std::iota(row_order.begin(), row_order.end(), 0);
-    if (threads > 1) {
-      std::stable_sort(
-          row_order.begin(), row_order.end(),
-          [&keys](int64_t x, int64_t y) { return keys[x] > keys[y]; });
+    long_rows = long_keys > 0 && 2 * long_keys >= all_keys;
+    if (long_rows) {
+      row_order.resize(keys.size());
+      std::iota(row_order.begin(), row_order.end(), 0);
+      if (threads > 1) {
+        std::stable_sort(
+            row_order.begin(), row_order.end(),
+            [&keys](int64_t x, int64_t y) { return keys[x] > keys[y]; });
+      }
+      std::vector<int64_t> claimed(keys.size());
+      for (size_t i = 0; i < keys.size(); ++i) claimed[i] = keys[row_order[i]];
+      long_rows = RowSpans(rows.num_real, threads) > 1 ||
+                  RowClaimsBalance(claimed, threads);
     }
-    std::vector<int64_t> claimed(keys.size());
-    for (size_t i = 0; i < keys.size(); ++i) claimed[i] = keys[row_order[i]];
-    long_rows = long_keys > 0 && 2 * long_keys >= all_keys &&
-                (RowSpans(rows.num_real, threads) > 1 ||
-                 RowClaimsBalance(claimed, threads));
   }
   const bool partitioned =
       p.kernel == AttentionParams::Kernel::kPartitioned ||
