@@ -1398,14 +1398,11 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
                 base = t;
                 continue;
               }
+              // Every KV head at once: acc, m and s run over [kvh][G].
               const float* acc2 = &span_results[t * per];
               float* acc = &span_results[base * per];
-              for (int64_t h = 0; h < kvh; ++h) {
-                a.Merge(G, acc2 + kvh * G * D + h * G,
-                        acc2 + kvh * G * (D + 1) + h * G, acc2 + h * G * D,
-                        acc + kvh * G * D + h * G,
-                        acc + kvh * G * (D + 1) + h * G, acc + h * G * D);
-              }
+              a.Merge(kvh * G, acc2 + kvh * G * D, acc2 + kvh * G * (D + 1),
+                      acc2, acc + kvh * G * D, acc + kvh * G * (D + 1), acc);
             }
             if (base < 0) return;  // no query token
             run_acc = &span_results[base * per];
