@@ -416,6 +416,36 @@ Case Make(CacheLayout layout, DType cache, DType act, int64_t heads,
   return k;
 }
 
+// The fp64 attention of query token qi's head h (of H heads over KV KV
+// heads; query [tokens][H][D]) over keys [lo, pos] of a row whose K/V, as
+// the cache stores them, are K and V [keys][KV][D], with ALiBi's slope
+// where `slope` is given: adds the head's D outputs to out.
+void ReferenceHead(const Tensor& query, int64_t qi, int64_t h, int64_t H,
+                   int64_t KV, const std::vector<float>& K,
+                   const std::vector<float>& V, int64_t lo, int64_t pos,
+                   double scale, const float* slope, double* out) {
+  const int64_t D = query.dim(2), kvh = h / (H / KV);
+  std::vector<double> logit;
+  for (int64_t j = lo; j <= pos; ++j) {
+    double dot = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      dot += static_cast<double>(Act(query, (qi * H + h) * D + d)) *
+             K[(j * KV + kvh) * D + d];
+    }
+    double l = scale * dot;
+    if (slope != nullptr) l += *slope * static_cast<double>(j - pos);
+    logit.push_back(l);
+  }
+  const double m = *std::max_element(logit.begin(), logit.end());
+  double sum = 0;
+  for (double& l : logit) sum += (l = std::exp(l - m));
+  for (int64_t j = lo; j <= pos; ++j) {
+    for (int64_t d = 0; d < D; ++d) {
+      out[d] += logit[j - lo] / sum * V[(j * KV + kvh) * D + d];
+    }
+  }
+}
+
 // Builds a cache and a batch (two decode rows, one prefill chunk, one
 // padding row), writes every cached position through ReshapeAndCache, and
 // checks both kernels against the fp64 reference.
@@ -525,30 +555,12 @@ void Check(const Case& k) {
     for (int64_t t = 0; t < qlens[r]; ++t) {
       const int64_t qi = rows.query_start[r] + t;
       const int64_t pos = lens[r] - qlens[r] + t;
+      const int64_t lo =
+          k.window > 0 ? std::max<int64_t>(0, pos - k.window + 1) : 0;
       for (int64_t h = 0; h < H; ++h) {
-        const int64_t kvh = h / (H / KV);
-        const int64_t lo =
-            k.window > 0 ? std::max<int64_t>(0, pos - k.window + 1) : 0;
-        std::vector<double> logit;
-        for (int64_t j = lo; j <= pos; ++j) {
-          double dot = 0;
-          for (int64_t d = 0; d < D; ++d) {
-            dot += static_cast<double>(Act(query, (qi * H + h) * D + d)) *
-                   K[r][(j * KV + kvh) * D + d];
-          }
-          double l = scale * dot;
-          if (k.alibi) l += p.alibi_slopes[h] * static_cast<double>(j - pos);
-          logit.push_back(l);
-        }
-        const double m = *std::max_element(logit.begin(), logit.end());
-        double sum = 0;
-        for (double& l : logit) sum += (l = std::exp(l - m));
-        for (int64_t j = lo; j <= pos; ++j) {
-          for (int64_t d = 0; d < D; ++d) {
-            ref[(qi * H + h) * D + d] +=
-                logit[j - lo] / sum * V[r][(j * KV + kvh) * D + d];
-          }
-        }
+        ReferenceHead(query, qi, h, H, KV, K[r], V[r], lo, pos, scale,
+                      k.alibi ? &p.alibi_slopes[h] : nullptr,
+                      &ref[(qi * H + h) * D]);
       }
     }
   }
@@ -1948,26 +1960,12 @@ TEST(PagedAttention, LongDecodeRowsAutoInKeyRanges) {
       const int64_t first =
           k.window > 0 ? std::max<int64_t>(0, len - k.window) : 0;
       for (int64_t h = 0; h < H; ++h) {
-        const int64_t g = h / (H / KV);
-        std::vector<double> w(len, -INFINITY);
-        double mx = -INFINITY, sum = 0;
-        for (int64_t j = first; j < len; ++j) {
-          double dot = 0;
-          for (int64_t d = 0; d < D; ++d) {
-            dot += static_cast<double>(Act(q, (qi * H + h) * D + d)) *
-                   K[r][(j * KV + g) * D + d];
-          }
-          w[j] = scale * dot;
-          mx = std::max(mx, w[j]);
-        }
-        for (double& x : w) sum += (x = std::exp(x - mx));
+        std::vector<double> want(D, 0.0);
+        ReferenceHead(q, qi, h, H, KV, K[r], V[r], first, len - 1, scale,
+                      nullptr, want.data());
         for (int64_t d = 0; d < D; ++d) {
-          double want = 0;
-          for (int64_t j = first; j < len; ++j) {
-            want += w[j] / sum * V[r][(j * KV + g) * D + d];
-          }
           const double got = Act(out, (qi * H + h) * D + d);
-          ASSERT_NEAR(got, want, 1e-3 + 1e-5 * std::fabs(want))
+          ASSERT_NEAR(got, want[d], 1e-3 + 1e-5 * std::fabs(want[d]))
               << DTypeName(k.cache) << " row " << r << " head " << h << " dim "
               << d;
         }
