@@ -23,6 +23,10 @@
 //                    odd halves, 4 heads x 2 FMAs into lanes in L1), one
 //                    block at a time; pairs: the same on two blocks side by
 //                    side, as PairSweepZ reads them.
+//   rows pairs xH    (session 51) pairs' work on the slices of H KV heads
+//                    of the same two blocks in turn (H x 4 KB runs, H lane
+//                    sets of 16 KB), then the next two blocks: what a V
+//                    pass over H heads at once would read at.
 // These prefetch as the kernel did in session 9: prefetcht1 line by line
 // about a block (4 KB) ahead, and the first 8 lines of the page 4 slices
 // ahead.
@@ -86,6 +90,7 @@
 #include <string>
 #include <thread>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -102,6 +107,7 @@ namespace {
 constexpr size_t kPage = 4096;
 constexpr size_t kBlock = 32768;  // 8 KV heads x 4 KB
 constexpr size_t kRowBlocks = 64;
+constexpr size_t kMaxHeadSets = 8;  // lane sets of `rows pairs xH`
 
 double Now() {
   return std::chrono::duration<double>(
@@ -158,9 +164,40 @@ __attribute__((target("avx512f"), always_inline)) inline void VSweep(
   }
 }
 
+// Pairs' work over `heads` KV heads (h0 on) of a row at once: VSweep<2> on
+// head h0 + j's slices of blocks c and c + 1 into lane set j, for each
+// head of the group, then the next two blocks; each sweep prefetches the
+// slices read next (the group's next head, or its first head's next two
+// blocks).
+__attribute__((target("avx512f"))) void ReadRowHeads(const char* pool,
+                                                     const size_t* row,
+                                                     size_t h0, size_t heads,
+                                                     float* lanes) {
+  auto at = [&](size_t c, size_t h) {
+    return pool + row[std::min(c, kRowBlocks - 1)] * kBlock + h * kPage;
+  };
+  for (size_t c = 0; c < kRowBlocks; c += 2) {
+    // Stream starts 4 blocks ahead, as ReadRows.
+    for (size_t k = c + 4; k < std::min(kRowBlocks, c + 6); ++k) {
+      for (size_t j = 0; j < heads; ++j) {
+        for (ptrdiff_t l = 0; l < 8; ++l) {
+          _mm_prefetch(at(k, h0 + j) + 64 * l, _MM_HINT_T1);
+        }
+      }
+    }
+    for (size_t j = 0; j < heads; ++j) {
+      const bool more = j + 1 < heads;
+      const char* cur[2] = {at(c, h0 + j), at(c + 1, h0 + j)};
+      const char* next[2] = {more ? at(c, h0 + j + 1) : at(c + 2, h0),
+                             more ? at(c + 1, h0 + j + 1) : at(c + 3, h0)};
+      VSweep<2>(cur, next, lanes + j * 4096);
+    }
+  }
+}
+
 // The bench's pattern over `order` (blocks, rows of kRowBlocks): arith 0
 // sums the loads (ReadPages), 1 and 2 run VSweep on 1 or 2 blocks at a
-// time.
+// time, -H ReadRowHeads over each group of H heads (H <= kMaxHeadSets).
 __attribute__((target("avx512f"))) uint64_t ReadRows(
     const char* pool, const std::vector<size_t>& order, int arith,
     float* lanes) {
@@ -175,6 +212,11 @@ __attribute__((target("avx512f"))) uint64_t ReadRows(
       }
       if (arith == 0) {
         sum += ReadPages(pages);
+        continue;
+      }
+      if (arith < 0) {
+        const size_t heads = static_cast<size_t>(-arith);
+        if (h % heads == 0) ReadRowHeads(pool, row, h, heads, lanes);
         continue;
       }
       const size_t nb = static_cast<size_t>(arith);
@@ -333,7 +375,8 @@ class Runner {
   Runner(size_t pool_bytes, int passes)
       : passes_(passes),
         flush_(*CpuDevice()->Allocate(size_t{256} << 20)),
-        lanes_(*CpuDevice()->Allocate(sizeof(float) * 4 * 1024)) {
+        lanes_(
+            *CpuDevice()->Allocate(sizeof(float) * kMaxHeadSets * 4 * 1024)) {
     pool_.mem = *CpuDevice()->Allocate(pool_bytes);
     pool_.base = static_cast<char*>(pool_.mem->data());
     pool_.bytes = pool_bytes / kBlock * kBlock;
@@ -614,9 +657,11 @@ int Main(int argc, char** argv) {
            run.Best([&] { return ReadPages(pages); }));
     }
     const std::vector<size_t> blocks = run.Blocks();
-    const char* names[] = {"rows none", "rows one", "rows pairs"};
-    for (int arith = 0; arith < 3; ++arith) {
-      line(names[arith], run.Best([&] {
+    const std::pair<const char*, int> rows[] = {
+        {"rows none", 0},      {"rows one", 1},       {"rows pairs", 2},
+        {"rows pairs x2", -2}, {"rows pairs x4", -4}, {"rows pairs x8", -8}};
+    for (const auto& [name, arith] : rows) {
+      line(name, run.Best([&, arith = arith] {
         return ReadRows(run.pool().base, blocks, arith, run.lanes());
       }));
     }
