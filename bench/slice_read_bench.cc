@@ -107,7 +107,8 @@ namespace {
 constexpr size_t kPage = 4096;
 constexpr size_t kBlock = 32768;  // 8 KV heads x 4 KB
 constexpr size_t kRowBlocks = 64;
-constexpr size_t kMaxHeadSets = 8;  // lane sets of `rows pairs xH`
+constexpr size_t kLaneSetFloats = 4 * 1024;  // VSweep's lanes: 4 heads
+constexpr size_t kMaxHeadSets = 8;           // lane sets of `rows pairs xH`
 
 double Now() {
   return std::chrono::duration<double>(
@@ -190,7 +191,7 @@ __attribute__((target("avx512f"))) void ReadRowHeads(const char* pool,
       const char* cur[2] = {at(c, h0 + j), at(c + 1, h0 + j)};
       const char* next[2] = {more ? at(c, h0 + j + 1) : at(c + 2, h0),
                              more ? at(c + 1, h0 + j + 1) : at(c + 3, h0)};
-      VSweep<2>(cur, next, lanes + j * 4096);
+      VSweep<2>(cur, next, lanes + j * kLaneSetFloats);
     }
   }
 }
@@ -375,8 +376,8 @@ class Runner {
   Runner(size_t pool_bytes, int passes)
       : passes_(passes),
         flush_(*CpuDevice()->Allocate(size_t{256} << 20)),
-        lanes_(
-            *CpuDevice()->Allocate(sizeof(float) * kMaxHeadSets * 4 * 1024)) {
+        lanes_(*CpuDevice()->Allocate(sizeof(float) * kMaxHeadSets *
+                                      kLaneSetFloats)) {
     pool_.mem = *CpuDevice()->Allocate(pool_bytes);
     pool_.base = static_cast<char*>(pool_.mem->data());
     pool_.bytes = pool_bytes / kBlock * kBlock;
