@@ -197,8 +197,9 @@ __attribute__((target("avx512f"))) void ReadRowHeads(const char* pool,
 }
 
 // The bench's pattern over `order` (blocks, rows of kRowBlocks): arith 0
-// sums the loads (ReadPages), 1 and 2 run VSweep on 1 or 2 blocks at a
-// time, -H ReadRowHeads over each group of H heads (H <= kMaxHeadSets).
+// sums the loads (ReadPages), 1 runs VSweep on one block at a time, 2 on
+// two (ReadRowHeads over one head at a time), -H ReadRowHeads over each
+// group of H heads (H <= kMaxHeadSets).
 __attribute__((target("avx512f"))) uint64_t ReadRows(
     const char* pool, const std::vector<size_t>& order, int arith,
     float* lanes) {
@@ -207,8 +208,8 @@ __attribute__((target("avx512f"))) uint64_t ReadRows(
   std::vector<const char*> pages(kRowBlocks);
   for (size_t r = 0; r < rows; ++r) {
     const size_t* row = &order[r * kRowBlocks];
-    if (arith < 0) {
-      const size_t heads = static_cast<size_t>(-arith);
+    if (arith < 0 || arith == 2) {
+      const size_t heads = arith == 2 ? 1 : static_cast<size_t>(-arith);
       for (size_t h = 0; h < kBlock / kPage; h += heads) {
         ReadRowHeads(pool, row, h, heads, lanes);
       }
@@ -222,20 +223,12 @@ __attribute__((target("avx512f"))) uint64_t ReadRows(
         sum += ReadPages(pages);
         continue;
       }
-      const size_t nb = static_cast<size_t>(arith);
-      for (size_t c = 0; c < kRowBlocks; c += nb) {
-        // Stream starts 4 blocks ahead, then the sweep.
-        for (size_t k = c + 4; k < std::min(kRowBlocks, c + 4 + nb); ++k) {
-          StartStream(pages[k]);
-        }
-        const char* cur[2] = {pages[c], pages[std::min(c + 1, kRowBlocks - 1)]};
-        const char* next[2] = {pages[std::min(c + nb, kRowBlocks - 1)],
-                               pages[std::min(c + nb + 1, kRowBlocks - 1)]};
-        if (nb == 1) {
-          VSweep<1>(cur, next, lanes);
-        } else {
-          VSweep<2>(cur, next, lanes);
-        }
+      for (size_t c = 0; c < kRowBlocks; ++c) {
+        // Stream start 4 blocks ahead, then the sweep.
+        if (c + 4 < kRowBlocks) StartStream(pages[c + 4]);
+        const char* cur[1] = {pages[c]};
+        const char* next[1] = {pages[std::min(c + 1, kRowBlocks - 1)]};
+        VSweep<1>(cur, next, lanes);
       }
     }
   }
