@@ -333,21 +333,29 @@ const char* KernelName(AttentionParams::Kernel k) {
 
 // A prefetch hint in words; kAuto as what it resolves to here, by cache
 // dtype where that differs.
-std::string PrefetchWords(AttentionParams::Prefetch hint) {
+std::string PrefetchWords(AttentionParams::Prefetch hint, CacheLayout layout) {
   if (hint != AttentionParams::Prefetch::kAuto) {
     return std::string(PrefetchName(hint)) + " prefetch";
   }
-  const AttentionParams::Prefetch b16 = BestPrefetch(DType::kBFloat16);
-  const AttentionParams::Prefetch f32 = BestPrefetch(DType::kFloat32);
+  const AttentionParams::Prefetch b16 = BestPrefetch(DType::kBFloat16, layout);
+  const AttentionParams::Prefetch f32 = BestPrefetch(DType::kFloat32, layout);
+  const AttentionParams::Prefetch f8 = BestPrefetch(DType::kFp8E4M3, layout);
   std::string words = std::string(PrefetchName(b16)) + " prefetch";
-  if (f32 != b16) {
-    words += std::string(" (") + PrefetchName(f32) + " for fp32 caches)";
+  if (f32 != b16 && f8 != b16 && f32 == f8) {
+    words +=
+        std::string(" (") + PrefetchName(f32) + " for fp32 and fp8 caches)";
+  } else if (f32 != b16 || f8 != b16) {
+    words += " (";
+    if (f32 != b16) words += std::string(PrefetchName(f32)) + " for fp32";
+    if (f32 != b16 && f8 != b16) words += ", ";
+    if (f8 != b16) words += std::string(PrefetchName(f8)) + " for fp8";
+    words += " caches)";
   }
   return words;
 }
 
 // A configuration in words, for the table headers.
-std::string Describe(const AttentionParams& p) {
+std::string Describe(const AttentionParams& p, CacheLayout layout) {
   return std::string("kernel ") + KernelName(p.kernel) +
          (p.kernel == AttentionParams::Kernel::kAuto &&
                   BestLongRowRanges(DType::kBFloat16, CacheLayout::kVllm)
@@ -355,7 +363,7 @@ std::string Describe(const AttentionParams& p) {
                 "1024-key ranges)"
               : "") +
          ", " + IsaName(p.isa) + " instruction set, " +
-         PrefetchWords(p.prefetch) + ", bf16 keys " +
+         PrefetchWords(p.prefetch, layout) + ", bf16 keys " +
          (p.bf16_keys == AttentionParams::Bf16Keys::kDot ? "by VDPBF16PS"
           : p.bf16_keys == AttentionParams::Bf16Keys::kWiden
               ? "widened"
@@ -1308,7 +1316,7 @@ int main(int argc, char** argv) {
       "layout %s, %s, %s; 32 query heads over %ld KV heads, head 128, block "
       "%ld, %s block tables",
       o.layout == kvstep::CacheLayout::kVllm ? "vllm" : "nhd",
-      kvstep::Describe(o.params).c_str(), o.polls.Describe().c_str(),
+      kvstep::Describe(o.params, o.layout).c_str(), o.polls.Describe().c_str(),
       static_cast<long>(o.kv_heads), static_cast<long>(o.block_size),
       kvstep::TablesName(o.tables));
   if (o.run_blocks > 0) {
@@ -1357,9 +1365,10 @@ int main(int argc, char** argv) {
     std::printf(
         "A/B: A = %s, %s, %s tables; B = %s, %s, %s tables; called "
         "alternately; \"B/A\" is the median over pairs of B's time / A's\n",
-        kvstep::Describe(o.params).c_str(), o.polls.Describe().c_str(),
-        kvstep::TablesName(o.tables), kvstep::Describe(o.vs).c_str(),
-        o.vs_polls.Describe().c_str(), kvstep::TablesName(o.vs_tables));
+        kvstep::Describe(o.params, o.layout).c_str(),
+        o.polls.Describe().c_str(), kvstep::TablesName(o.tables),
+        kvstep::Describe(o.vs, o.layout).c_str(), o.vs_polls.Describe().c_str(),
+        kvstep::TablesName(o.vs_tables));
     std::printf("%-9s %7s %6s %8s %10s %10s %7s %6s\n", "dtype", "context",
                 "batch", "threads", "A best us", "B best us", "B/A", "pairs");
   } else {

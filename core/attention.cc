@@ -377,14 +377,37 @@ bool AmdVendor() {
 #endif
 }
 
-// How a call over a `cache`-typed cache prefetches K/V: kAuto resolved for
-// this CPU (see AttentionParams::prefetch).
+// Whether CPUID reports an Intel family 6 model 207 (0xCF, Emerald
+// Rapids), as the KVM guest of sessions 51 and 52 does; the Xeon guest
+// of sessions 8 and 47-50 reported model 167.
+bool IntelModel207() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool is = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (AmdVendor() || __get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) {
+      return false;
+    }
+    const unsigned family = (eax >> 8) & 0xf;
+    const unsigned model = ((eax >> 12) & 0xf0) | ((eax >> 4) & 0xf);
+    return family == 6 && model == 207;
+  }();
+  return is;
+#else
+  return false;
+#endif
+}
+
+// How a call over a `cache`-typed cache in `layout` prefetches K/V: kAuto
+// resolved for this CPU (see AttentionParams::prefetch).
 AttentionParams::Prefetch ResolvePrefetch(AttentionParams::Prefetch p,
-                                          DType cache) {
+                                          DType cache, CacheLayout layout) {
   if (p != AttentionParams::Prefetch::kAuto) return p;
-  (void)cache;  // every cache dtype takes the same hint since session 22
-  return AmdVendor() ? AttentionParams::Prefetch::kT0
-                     : AttentionParams::Prefetch::kT1;
+  if (AmdVendor()) return AttentionParams::Prefetch::kT0;
+  if (IntelModel207() && DTypeSize(cache) == 2 &&
+      layout == CacheLayout::kVllm) {
+    return AttentionParams::Prefetch::kT0;
+  }
+  return AttentionParams::Prefetch::kT1;
 }
 
 // The slice touch's gates (AttentionParams::touch_min_bytes and
@@ -1657,8 +1680,8 @@ const char* IsaName(AttentionParams::Isa isa) {
   }
 }
 
-AttentionParams::Prefetch BestPrefetch(DType cache) {
-  return ResolvePrefetch(AttentionParams::Prefetch::kAuto, cache);
+AttentionParams::Prefetch BestPrefetch(DType cache, CacheLayout layout) {
+  return ResolvePrefetch(AttentionParams::Prefetch::kAuto, cache, layout);
 }
 
 const char* PrefetchName(AttentionParams::Prefetch prefetch) {

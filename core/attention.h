@@ -114,7 +114,14 @@ struct AttentionParams {
   // 1-9% more than kT1 (docs/attention.md, session 8). With kT0 and kT1
   // the passes also start the core's L2 streamer on the blocks 4 ahead
   // (2-10% less time there). kAuto: kT1 except on AMD (and Hygon) CPUs,
-  // which take kT0: on Zen 5, fp32 calls took 0.94-0.97x the time with kT0
+  // and for 16-bit caches in the vLLM layout on Intel family 6 model 207
+  // (Emerald Rapids, the KVM guest of sessions 51-52; session 52, call by
+  // call: bf16 and fp16 decode at block sizes 8 and 16 took 0.93-0.97x
+  // the time with kT0 and its second prefetch into L2, one and two
+  // threads, 1k-8k keys, batches 1-64; block size 32 0.98-1.00x; fp32
+  // 1.00-1.03x, fp8 1.01x, the NHD layout 1.17x keep kT1; the Xeon guest
+  // of sessions 47-50, model 167, had kT0 at 1.015-1.033x), which take
+  // kT0: on Zen 5, fp32 calls took 0.94-0.97x the time with kT0
   // in 8 of 8 cases and kNta 0.98-1.07x of kT0's in the reverse order
   // (session 15), and since session 22 every cache dtype: vLLM-layout
   // decode calls took 0.86-0.97x the time with kT0 than with kNta on one
@@ -267,9 +274,9 @@ struct AttentionParams {
 bool IsaSupported(AttentionParams::Isa isa);
 const char* IsaName(AttentionParams::Isa isa);
 AttentionParams::Isa BestIsa();
-// What kAuto prefetches with on this CPU for a cache of dtype `cache`
-// (never kAuto), and a hint's name.
-AttentionParams::Prefetch BestPrefetch(DType cache);
+// What kAuto prefetches with on this CPU for a cache of dtype `cache` in
+// `layout` (never kAuto), and a hint's name.
+AttentionParams::Prefetch BestPrefetch(DType cache, CacheLayout layout);
 const char* PrefetchName(AttentionParams::Prefetch prefetch);
 // "auto", "nta", "t0" or "t1" into *out (flags); false for anything else.
 bool ParsePrefetch(absl::string_view name, AttentionParams::Prefetch* out);

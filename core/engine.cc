@@ -125,10 +125,10 @@ Engine::Engine(const EngineOptions& options, std::unique_ptr<KvCache> cache,
               ? options.attention_threads
               : std::max(
                     1, static_cast<int>(std::thread::hardware_concurrency())))),
-      attention_prefetch_(options.attention_prefetch ==
-                                  AttentionParams::Prefetch::kAuto
-                              ? BestPrefetch(options.cache.dtype)
-                              : options.attention_prefetch),
+      attention_prefetch_(
+          options.attention_prefetch == AttentionParams::Prefetch::kAuto
+              ? BestPrefetch(options.cache.dtype, options.cache.layout)
+              : options.attention_prefetch),
       clock_(options.clock),
       default_session_ttl_(options.default_session_ttl),
       max_session_ttl_(options.max_session_ttl),

@@ -52,7 +52,8 @@ ABSL_FLAG(int64_t, attention_idle_poll_us, -1,
           "call before it sleeps, in us (-1: the default, 2000; 0: sleep at "
           "once); see docs/operations.md");
 ABSL_FLAG(std::string, attention_prefetch, "auto",
-          "PagedAttention's K/V prefetch hint: auto (prefetcht0 on AMD, "
+          "PagedAttention's K/V prefetch hint: auto (prefetcht0 on AMD and, "
+          "for 16-bit caches in the vLLM layout, on Intel model 207; "
           "prefetcht1 elsewhere), nta, t0 or t1; see docs/attention.md");
 ABSL_FLAG(double, watermark, 0.01,
           "CanAllocate answers LATER below this fraction of free blocks");

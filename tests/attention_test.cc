@@ -670,14 +670,22 @@ TEST(PagedAttention, DtypesAndGqaRatios) {
 // (prefetch_l2, which the 16-bit passes add to kT0), through decode rows
 // and per-head items, whose prefetches two and three slices or sweeps
 // ahead must stay within each row's blocks. And kAuto resolves to a hint,
-// by this CPU's vendor.
+// by this CPU, the cache dtype and the layout; the NHD layout and fp32 and
+// fp8 caches take the vendor's (prefetcht0 on AMD, prefetcht1 elsewhere).
 TEST(PagedAttention, EveryPrefetchHint) {
+  const AttentionParams::Prefetch vendor =
+      BestPrefetch(DType::kFloat32, CacheLayout::kVllm);
   for (const DType cache : {DType::kBFloat16, DType::kFloat16, DType::kFloat32,
                             DType::kFp8E4M3, DType::kFp8E5M2}) {
-    const AttentionParams::Prefetch best = BestPrefetch(cache);
-    EXPECT_NE(best, AttentionParams::Prefetch::kAuto);
-    EXPECT_STRNE(PrefetchName(best),
-                 PrefetchName(AttentionParams::Prefetch::kAuto));
+    for (const CacheLayout layout : {CacheLayout::kVllm, CacheLayout::kNhd}) {
+      const AttentionParams::Prefetch best = BestPrefetch(cache, layout);
+      EXPECT_NE(best, AttentionParams::Prefetch::kAuto);
+      EXPECT_STRNE(PrefetchName(best),
+                   PrefetchName(AttentionParams::Prefetch::kAuto));
+      if (layout == CacheLayout::kNhd || DTypeSize(cache) != 2) {
+        EXPECT_EQ(best, vendor) << DTypeName(cache);
+      }
+    }
   }
   const Dtypes dtypes[] = {{DType::kBFloat16, DType::kBFloat16},
                            {DType::kFloat16, DType::kFloat16},

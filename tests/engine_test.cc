@@ -576,9 +576,10 @@ TEST(EngineOptions, AttentionPrefetchIsReportedAndChangesNoResult) {
     o.attention_prefetch = hint;
     absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(o);
     ASSERT_TRUE(e.ok()) << e.status();
-    const auto resolved = hint == AttentionParams::Prefetch::kAuto
-                              ? BestPrefetch(DType::kBFloat16)
-                              : hint;
+    const auto resolved =
+        hint == AttentionParams::Prefetch::kAuto
+            ? BestPrefetch(DType::kBFloat16, CacheLayout::kVllm)
+            : hint;
     EXPECT_THAT((*e)->Info().attention_kernel,
                 HasSubstr(absl::StrCat(IsaName(BestIsa()), ", ",
                                        PrefetchName(resolved))));
@@ -603,9 +604,10 @@ TEST(EngineOptions, AttentionPrefetchIsReportedAndChangesNoResult) {
       EXPECT_EQ(bytes, first) << PrefetchName(hint);
     }
   }
-  // kAuto is resolved by the server's cache dtype (BestPrefetch; on AMD
-  // every dtype has taken prefetcht0 since session 22, fp32 alone before):
-  // the report names the fp32 choice.
+  // kAuto is resolved by the server's cache dtype and layout (BestPrefetch;
+  // on AMD every dtype has taken prefetcht0 since session 22, fp32 alone
+  // before; on Intel model 207 16-bit vLLM-layout caches since session
+  // 52): the report names the fp32 choice.
   EngineOptions o;
   o.cache.num_blocks = 8;
   o.cache.dtype = DType::kFloat32;
@@ -613,8 +615,9 @@ TEST(EngineOptions, AttentionPrefetchIsReportedAndChangesNoResult) {
   ASSERT_TRUE(e.ok()) << e.status();
   EXPECT_THAT(
       (*e)->Info().attention_kernel,
-      HasSubstr(absl::StrCat(IsaName(BestIsa()), ", ",
-                             PrefetchName(BestPrefetch(DType::kFloat32)))));
+      HasSubstr(absl::StrCat(
+          IsaName(BestIsa()), ", ",
+          PrefetchName(BestPrefetch(DType::kFloat32, CacheLayout::kVllm)))));
 }
 
 // Random operations through the whole engine, auditing the invariants
