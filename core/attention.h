@@ -116,7 +116,7 @@ struct AttentionParams {
   // (2-10% less time there). kAuto: kT1 except on AMD (and Hygon) CPUs,
   // and for 16-bit caches in the vLLM layout on Intel family 6 model 207
   // (Emerald Rapids, the KVM guest of sessions 51-52; session 52, call by
-  // call: bf16 and fp16 decode at block sizes 8 and 16 took 0.93-0.97x
+  // call: bf16 and fp16 decode at block sizes 8 and 16 took 0.93-0.98x
   // the time with kT0 and its second prefetch into L2, one and two
   // threads, 1k-8k keys, batches 1-64; block size 32 0.98-1.00x; fp32
   // 1.00-1.03x, fp8 1.01x, the NHD layout 1.17x keep kT1; the Xeon guest
