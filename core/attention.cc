@@ -414,9 +414,10 @@ AttentionParams::Prefetch ResolvePrefetch(AttentionParams::Prefetch p,
 // at block sizes 16 and 32, under `hint` (resolved): 1 with kT0 on Intel,
 // 2 otherwise. On the Intel model-207 guest of session 53 (kT0 the
 // default there, with prefetch_l2's second prefetch one block further),
-// one block took 0.987-1.002x the time of two at block size 16 (4 KB
-// ahead instead of 8; reversed order 1/1.002-1/1.017; bf16 and fp16,
-// 1k-8k keys, batches 1-64, one and two threads) and 0.975-0.978x at
+// one block took 0.975-1.003x the time of two at block size 16 (4 KB
+// ahead instead of 8; reversed order 1/1.002-1/1.031; bf16 and fp16,
+// 1k-8k keys, batches 1-64, one and two threads; at a batch of 256, 17
+// pairs, 1.015x and reversed 1/1.052) and 0.975-0.978x at
 // block size 32 (8 KB instead of 16; reversed 1/1.025-1/1.028), where
 // the L2 prefetch 2 or 3 blocks further instead of 1 took 1.008-1.028x.
 // The Zen 5's 8 KB at block size 16 (session 16) stays.

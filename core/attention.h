@@ -254,7 +254,7 @@ struct AttentionParams {
   // line twice where they prefetch with prefetcht0 (prefetch kAuto on
   // AMD, or kT0): into L1 about 8 KB ahead of their reads, as always
   // (16-bit keys on Intel one block, 4 KB at block size 16, since session
-  // 53: 0.975-1.002x the time on model 207), and
+  // 53: 0.975-1.003x the time on model 207), and
   // into L2 (prefetcht1) a little further: 16-bit keys (16-token tiles)
   // one slice further, 16-bit values (by pairs) one sweep of two blocks
   // further, fp32 values 4 KB further. With random block tables neither
