@@ -2,7 +2,8 @@
 """Summarises an attention_bench grid as docs/attention.md records it.
 
     build/bench/attention_bench --full --max_gb=9 > grid.txt
-    bench/grid_table.py grid.txt [--min_context=1024] [--goal=80]
+    bench/grid_table.py grid.txt [grid2.txt ...] [--min_context=1024]
+        [--goal=80]
 
 Prints a Markdown table of the goal's cells (contexts from --min_context,
 every dtype, batch and thread count in the file): "of read" / "median of",
@@ -10,11 +11,20 @@ and for two threads the case's two-thread read in GB/s in brackets. Then,
 per thread count, the range of batch 1 and of batches 16 and more, and how
 many cells are under --goal percent.
 
+Given several runs of the grid (each its own same-run baseline), each cell
+is the median over the runs of each figure, with the range of "of read"
+in square brackets, and the ranges and counts are of those medians. This
+VM moves a cell by up to 10 points from run to run, mostly down (a
+neighbour's burst during the case's calls but not its reads), so one run
+cannot tell a cell that is under the goal from one that was disturbed;
+the median of three can.
+
 A case whose best read pass is under half the median read of its thread
-count was disturbed (a neighbour on this shared VM held the core for the
-whole case): the read and the calls are both slow, so its figure says
-nothing of the kernel. Such cells are marked `*` and left out of the
-ranges and counts, which say how many were left out.
+count (in its own run) was disturbed (a neighbour on this shared VM held
+the core for the whole case): the read and the calls are both slow, so its
+figure says nothing of the kernel. Such a run of a cell is left out of the
+cell's medians; a cell disturbed in every run is marked `*` and left out
+of the ranges and counts, which say how many were left out.
 """
 
 import argparse
@@ -54,30 +64,66 @@ def parse(path, min_context):
     return cells
 
 
+def combine(runs):
+    """Returns {key: (of, median, read, (lo, hi) or None)} over the runs.
+
+    Each figure is the median over the runs in which the cell was not
+    disturbed (see the module's doc); (lo, hi) is the range of "of read"
+    over them when there are several runs, and None marks a cell disturbed
+    in every run (its figures are then the first run's).
+    """
+    disturbed_in = []
+    for cells in runs:
+        median_read = {}
+        for t in {k[1] for k in cells}:
+            median_read[t] = statistics.median(
+                v[2] for k, v in cells.items() if k[1] == t)
+        disturbed_in.append(
+            {k for k, v in cells.items() if v[2] < 0.5 * median_read[k[1]]})
+    out = {}
+    for key in sorted({k for cells in runs for k in cells}):
+        kept = [cells[key] for cells, bad in zip(runs, disturbed_in)
+                if key in cells and key not in bad]
+        if not kept:
+            first = next(cells[key] for cells in runs if key in cells)
+            out[key] = (*first, None)
+            continue
+        ofs = [v[0] for v in kept]
+        out[key] = (round(statistics.median(ofs)),
+                    round(statistics.median(v[1] for v in kept)),
+                    statistics.median(v[2] for v in kept),
+                    (min(ofs), max(ofs)))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("grid", help="attention_bench output")
+    ap.add_argument("grid", nargs="+", help="attention_bench output(s)")
     ap.add_argument("--min_context", type=int, default=1024)
     ap.add_argument("--goal", type=int, default=80)
     args = ap.parse_args()
 
-    cells = parse(args.grid, args.min_context)
-    if not cells:
-        sys.exit(f"{args.grid}: no grid rows from context {args.min_context}")
+    runs = []
+    for path in args.grid:
+        cells = parse(path, args.min_context)
+        if not cells:
+            sys.exit(f"{path}: no grid rows from context {args.min_context}")
+        runs.append(cells)
+    cells = combine(runs)
+    several = len(runs) > 1
     dtypes = [d for d in DTYPES if any(k[0] == d for k in cells)]
     threads = sorted({k[1] for k in cells})
     batches = sorted({k[2] for k in cells})
     contexts = sorted({k[3] for k in cells})
-    median_read = {
-        t: statistics.median(v[2] for k, v in cells.items() if k[1] == t)
-        for t in threads
-    }
 
     def disturbed(key):
-        return cells[key][2] < 0.5 * median_read[key[1]]
+        return cells[key][3] is None
 
     heads = " | ".join(f"{c // 1024}k" if c % 1024 == 0 else str(c)
                        for c in contexts)
+    if several:
+        print(f"Medians of {len(runs)} runs; [the range of \"of read\"]")
+        print()
     print(f"| cache, threads | batch | {heads} |")
     print("| --- | --- | " + " | ".join("---" for _ in contexts) + " |")
     for d in dtypes:
@@ -89,8 +135,10 @@ def main():
                     if key not in cells:
                         row.append("-")
                         continue
-                    of, median, read = cells[key]
+                    of, median, read, span = cells[key]
                     text = f"{of}% / {median}%"
+                    if several and span is not None and span[0] != span[1]:
+                        text += f" [{span[0]}-{span[1]}]"
                     if t > 1:
                         text += f" ({read:.0f})"
                     if disturbed(key):

@@ -11,6 +11,8 @@ PKGS=(
   # Tests: TLS certificates are made with openssl; the fuzzer needs clang's
   # libFuzzer runtime.
   openssl libclang-rt-14-dev
+  # bench/grid_table_test.py (the grid summary script's test).
+  python3
 )
 
 missing=()

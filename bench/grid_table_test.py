@@ -1,0 +1,112 @@
+#!/usr/bin/python3
+"""Tests of grid_table.py: one run's table, and the medians of several."""
+
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                      "grid_table.py")
+HEADER = ("dtype     context  batch  threads    us/call    best us mean GB/s "
+          "best GB/s read GB/s  of read median of\n")
+
+
+def row(dtype, ctx, batch, threads, of, median, read):
+    # Only the fields grid_table.py reads need be consistent.
+    return (f"{dtype} {ctx} {batch} {threads} 100.0 90.0 10.00 11.00 "
+            f"{read:.2f} {of}% {median}%\n")
+
+
+class GridTableTest(unittest.TestCase):
+
+    def setUp(self):
+        self.dir = tempfile.TemporaryDirectory()
+
+    def tearDown(self):
+        self.dir.cleanup()
+
+    def write(self, name, rows):
+        path = os.path.join(self.dir.name, name)
+        with open(path, "w") as f:
+            f.write("# a comment line\n" + HEADER + "".join(rows))
+        return path
+
+    def run_table(self, *args):
+        done = subprocess.run([sys.executable, SCRIPT, *args],
+                              capture_output=True, text=True, check=False)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        return done.stdout
+
+    def cell(self, out, label, batch, column):
+        # The Markdown row "| label | batch | c1 | c2 |"'s column-th cell.
+        for line in out.splitlines():
+            parts = [p.strip() for p in line.strip().strip("|").split("|")]
+            if len(parts) > 2 and parts[0] == label and parts[1] == str(batch):
+                return parts[2 + column]
+        self.fail(f"no row {label} batch {batch} in:\n{out}")
+
+    def test_one_run(self):
+        path = self.write("a.txt", [
+            row("bfloat16", 512, 16, 1, 50, 50, 15.0),  # under min_context
+            row("bfloat16", 1024, 1, 1, 85, 80, 15.0),
+            row("bfloat16", 1024, 16, 1, 78, 77, 15.0),
+            row("bfloat16", 2048, 16, 1, 82, 81, 16.0),
+            row("bfloat16", 2048, 16, 2, 90, 88, 30.0),
+        ])
+        out = self.run_table(path)
+        self.assertNotIn("512", out)
+        self.assertNotIn("Medians", out)
+        self.assertEqual(self.cell(out, "bf16, 1", 16, 0), "78% / 77%")
+        self.assertEqual(self.cell(out, "bf16, 2", 16, 1), "90% / 88% (30)")
+        self.assertIn("1 thread: batch 1 85% (0 of 1 under 80%); "
+                      "batches 16+ 78-82% (1 of 2 under 80%)", out)
+
+    def test_medians_of_runs(self):
+        # fp16 2048 x 16 is disturbed in run b (its read under half the
+        # median read), so its median is of runs a and c alone.
+        runs = {
+            "a": [(81, 80, 15.0), (79, 78, 15.0), (84, 84, 15.0)],
+            "b": [(70, 60, 15.0), (83, 82, 15.0), (40, 41, 6.0)],
+            "c": [(85, 84, 15.0), (81, 80, 15.0), (80, 79, 15.0)],
+        }
+        paths = []
+        for name, cells in runs.items():
+            paths.append(self.write(name + ".txt", [
+                row("float16", 1024, 16, 1, *cells[0]),
+                row("float16", 2048, 16, 1, *cells[1]),
+                row("float16", 4096, 16, 1, *cells[2]),
+                row("float16", 1024, 64, 1, 90, 90, 15.0),
+            ]))
+        out = self.run_table(*paths)
+        self.assertIn("Medians of 3 runs", out)
+        self.assertEqual(self.cell(out, "fp16, 1", 16, 0), "81% / 80% [70-85]")
+        self.assertEqual(self.cell(out, "fp16, 1", 16, 1), "81% / 80% [79-83]")
+        self.assertEqual(self.cell(out, "fp16, 1", 16, 2), "82% / 82% [80-84]")
+        self.assertEqual(self.cell(out, "fp16, 1", 64, 0), "90% / 90%")
+        self.assertIn("batches 16+ 81-90% (0 of 4 under 80%)", out)
+
+    def test_cell_disturbed_in_every_run(self):
+        paths = [
+            self.write(f"{i}.txt", [
+                row("float32", 1024, 16, 1, 82, 82, 15.0),
+                row("float32", 2048, 16, 1, 82, 82, 15.0),
+                row("float32", 4096, 16, 1, 30, 30, 5.0),
+            ]) for i in range(2)
+        ]
+        out = self.run_table(*paths)
+        self.assertEqual(self.cell(out, "fp32, 1", 16, 2), "30% / 30% *")
+        self.assertIn("batches 16+ 82% (0 of 2 under 80%; 1 disturbed, left out)",
+                      out)
+
+    def test_no_rows(self):
+        path = self.write("empty.txt", [])
+        done = subprocess.run([sys.executable, SCRIPT, path],
+                              capture_output=True, text=True, check=False)
+        self.assertNotEqual(done.returncode, 0)
+        self.assertIn("no grid rows", done.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
