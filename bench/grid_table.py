@@ -17,7 +17,8 @@ in square brackets, and the ranges and counts are of those medians. This
 VM moves a cell by up to 10 points from run to run, mostly down (a
 neighbour's burst during the case's calls but not its reads), so one run
 cannot tell a cell that is under the goal from one that was disturbed;
-the median of three can.
+the median of three or more runs can. Medians of an even count of runs
+are rounded half up.
 
 A case whose best read pass is under half the median read of its thread
 count (in its own run) was disturbed (a neighbour on this shared VM held
@@ -64,6 +65,11 @@ def parse(path, min_context):
     return cells
 
 
+def half_up(x):
+    """x (a percentage, not negative) to the nearest int, .5 up."""
+    return int(x + 0.5)
+
+
 def combine(runs):
     """Returns {key: (of, median, read, (lo, hi) or None)} over the runs.
 
@@ -89,8 +95,8 @@ def combine(runs):
             out[key] = (*first, None)
             continue
         ofs = [v[0] for v in kept]
-        out[key] = (round(statistics.median(ofs)),
-                    round(statistics.median(v[1] for v in kept)),
+        out[key] = (half_up(statistics.median(ofs)),
+                    half_up(statistics.median(v[1] for v in kept)),
                     statistics.median(v[2] for v in kept),
                     (min(ofs), max(ofs)))
     return out
