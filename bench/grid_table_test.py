@@ -33,9 +33,12 @@ class GridTableTest(unittest.TestCase):
             f.write("# a comment line\n" + HEADER + "".join(rows))
         return path
 
-    def run_table(self, *args):
-        done = subprocess.run([sys.executable, SCRIPT, *args],
+    def run_script(self, *args):
+        return subprocess.run([sys.executable, SCRIPT, *args],
                               capture_output=True, text=True, check=False)
+
+    def run_table(self, *args):
+        done = self.run_script(*args)
         self.assertEqual(done.returncode, 0, done.stderr)
         return done.stdout
 
@@ -103,8 +106,7 @@ class GridTableTest(unittest.TestCase):
 
     def test_no_rows(self):
         path = self.write("empty.txt", [])
-        done = subprocess.run([sys.executable, SCRIPT, path],
-                              capture_output=True, text=True, check=False)
+        done = self.run_script(path)
         self.assertNotEqual(done.returncode, 0)
         self.assertIn("no grid rows", done.stderr)
 
