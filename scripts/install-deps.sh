@@ -11,7 +11,8 @@ PKGS=(
   # Tests: TLS certificates are made with openssl; the fuzzer needs clang's
   # libFuzzer runtime.
   openssl libclang-rt-14-dev
-  # bench/grid_table_test.py (the grid summary script's test).
+  # bench/grid_table_test.py and bench/ab_runs_test.py (the bench scripts'
+  # tests).
   python3
 )
 
