@@ -127,8 +127,9 @@ class AbRunsTest(unittest.TestCase):
     def test_no_case_line(self):
         a, b = self.fake("a_bin"), self.fake("b_bin")
         p = self.run_script(a, b, env={"FAKE_CONTEXTS": ""})
-        # An empty context list still prints "bfloat16  16 1 ...", whose
-        # context is not a number: no case line.
+        # An empty context list still prints a bfloat16 line, but with no
+        # context its fields shift ("bfloat16 16 1 110.0 ..."), so its
+        # threads field is not a whole number: no case line.
         self.assertEqual(p.returncode, 1)
         self.assertIn("printed no case line", p.stderr)
 
