@@ -30,7 +30,8 @@ import statistics
 import subprocess
 import sys
 
-DTYPES = ("bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2")
+# The bench's dtype names, as grid_table.py (beside this script) reads them.
+from grid_table import DTYPES
 
 
 def cases(text):
