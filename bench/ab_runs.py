@@ -30,8 +30,8 @@ import statistics
 import subprocess
 import sys
 
-# The bench's dtype names, as grid_table.py (beside this script) reads them.
-from grid_table import DTYPES
+# Case lines recognised as grid_table.py (beside this script) recognises them.
+from grid_table import case_key
 
 
 def cases(text):
@@ -39,15 +39,14 @@ def cases(text):
     out = {}
     for line in text.splitlines():
         fields = line.split()
-        if len(fields) < 6 or fields[0] not in DTYPES:
-            continue
-        if not all(f.isdigit() for f in fields[1:4]):
+        key = case_key(fields) if len(fields) >= 6 else None
+        if key is None:
             continue
         try:
             best = float(fields[5])
         except ValueError:
             continue
-        out[(fields[0], int(fields[1]), int(fields[2]), int(fields[3]))] = best
+        out[key] = best
     return out
 
 

@@ -36,6 +36,16 @@ DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32",
           "fp8_e4m3": "fp8 e4m3", "fp8_e5m2": "fp8 e5m2"}
 
 
+def case_key(fields):
+    """(dtype, context, batch, threads) of a bench case line's fields (the
+    decode and the prefill tables alike), or None if they are not one."""
+    if len(fields) < 4 or fields[0] not in DTYPES:
+        return None
+    if not all(f.isdigit() for f in fields[1:4]):
+        return None
+    return fields[0], int(fields[1]), int(fields[2]), int(fields[3])
+
+
 def parse(path, min_context):
     """Returns {(dtype, threads, batch, context): (of, median, read)}."""
     cells = {}
@@ -47,12 +57,10 @@ def parse(path, min_context):
         for line in f:
             fields = line.split()
             # dtype context batch threads us/call best mean best read of median
-            if len(fields) < 11 or fields[0] not in DTYPES:
+            key = case_key(fields) if len(fields) >= 11 else None
+            if key is None:
                 continue
-            if not (fields[1].isdigit() and fields[2].isdigit()
-                    and fields[3].isdigit()):
-                continue
-            ctx, batch, threads = int(fields[1]), int(fields[2]), int(fields[3])
+            _, ctx, batch, threads = key
             if ctx < min_context:
                 continue
             try:
