@@ -19,9 +19,12 @@
 // points lower by medians, where calls of batch 16 and more mostly agree
 // within a few points either way (docs/attention.md, session 29). Medians,
 // not means: a few slow read rounds moved a mean-based figure by tens of
-// points in some cases.
+// points in some cases. "calls" counts the case's timed calls: it runs
+// rounds for --seconds and until it has made --min_calls calls (10 by
+// default; calls of 1 GB and more take 60-150 ms each on one thread).
 //
-//   build/bench/attention_bench [--full] [--seconds=0.3] [--layout=nhd]
+//   build/bench/attention_bench [--full] [--seconds=0.3] [--min_calls=10]
+//       [--layout=nhd]
 //       [--no_baseline]
 //       [--dtype=bfloat16|float16|float32|fp8_e4m3|fp8_e5m2]
 //       [--context=N] [--batch=N] [--threads=N]
@@ -460,6 +463,7 @@ struct Result {
   double baseline;     // best interleaved read GB/s or FMA GFLOP/s; 0 if none
   double median_rate;  // the median call's, as `rate`
   double baseline_median;  // the median round's, as `baseline`
+  int64_t calls;           // timed calls
 };
 
 // The median of v (the upper one of an even count); 0 if v is empty.
@@ -473,6 +477,11 @@ struct Options {
   kvstep::CacheLayout layout = kvstep::CacheLayout::kVllm;
   AttentionParams params;
   double seconds = 0.3;
+  // Timed calls a case makes at least (--min_calls=), however long they
+  // take, so that a case of 1 GB or more (60-150 ms a call on one thread,
+  // one call a round) is the best of ten calls against the best of ten
+  // read passes, not of the three that 0.3 s held (session 58).
+  int64_t min_calls = 10;
   int64_t kv_heads = 8;  // of 32 query heads
   // Tokens a block (--block_size=): 8, 16 or 32, the kernel's sizes; the
   // goal's grid is at 16, vLLM's default.
@@ -1004,7 +1013,8 @@ Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
   double read = 0;
   std::vector<double> calls, rates;  // every call's time, round's rate
   const double start = Now();
-  while (Now() - start < seconds || calls.size() < 3) {
+  while (Now() - start < seconds ||
+         calls.size() < static_cast<size_t>(o.min_calls)) {
     double round_s = 0.02;
     if (bw != nullptr) {
       const double t = Now();
@@ -1030,7 +1040,8 @@ Result Measure(DType dtype, int64_t ctx, int64_t batch, int threads,
           best_s > 0 ? work / best_s / 1e9 : 0.0,
           read,
           median_s > 0 ? work / median_s / 1e9 : 0.0,
-          Median(rates)};
+          Median(rates),
+          static_cast<int64_t>(calls.size())};
 }
 
 // --pool_poll_us=N or --pool_idle_poll_us=N (N >= 0) into *polls; false
@@ -1226,6 +1237,12 @@ int main(int argc, char** argv) {
       }
     } else if (const char* v = value("--seconds=")) {
       o.seconds = std::stod(v);
+    } else if (const char* v = value("--min_calls=")) {
+      o.min_calls = std::stoll(v);
+      if (o.min_calls < 1) {
+        std::fprintf(stderr, "--min_calls must be at least 1\n");
+        return 2;
+      }
     } else if (const char* v = value("--dtype=")) {
       only_dtype = v;
     } else if (const char* v = value("--query=")) {
@@ -1372,11 +1389,11 @@ int main(int argc, char** argv) {
     std::printf("%-9s %7s %6s %8s %10s %10s %7s %6s\n", "dtype", "context",
                 "batch", "threads", "A best us", "B best us", "B/A", "pairs");
   } else {
-    std::printf("%-9s %7s %6s %8s %10s %10s %9s %9s %9s %8s %9s\n", "dtype",
+    std::printf("%-9s %7s %6s %8s %10s %10s %9s %9s %9s %8s %9s %6s\n", "dtype",
                 "context", "batch", "threads", "us/call", "best us",
                 pf ? "mean GF/s" : "mean GB/s", pf ? "best GF/s" : "best GB/s",
                 pf ? "FMA GF/s" : "read GB/s", pf ? "of FMA" : "of read",
-                "median of");
+                "median of", "calls");
   }
   const std::vector<int64_t> contexts =
       full ? std::vector<int64_t>{128, 512, 1024, 2048, 4096, 8192}
@@ -1428,12 +1445,13 @@ int main(int argc, char** argv) {
           const double best_gbs = r.best_rate;
           std::printf(
               "%-9s %7ld %6ld %8d %10.1f %10.1f %9.2f %9.2f %9.2f %7.0f%% "
-              "%8.0f%%\n",
+              "%8.0f%% %6ld\n",
               std::string(kvstep::DTypeName(d)).c_str(), static_cast<long>(ctx),
               static_cast<long>(batch), threads, r.us, r.best_us, r.rate,
               best_gbs, read, read > 0 ? 100.0 * best_gbs / read : 0.0,
               r.baseline_median > 0 ? 100.0 * r.median_rate / r.baseline_median
-                                    : 0.0);
+                                    : 0.0,
+              static_cast<long>(r.calls));
           std::fflush(stdout);
         }
         if (only_batch != 0) break;
