@@ -20,6 +20,13 @@ cannot tell a cell that is under the goal from one that was disturbed;
 the median of three or more runs can. Medians of an even count of runs
 are rounded half up.
 
+Given several runs, it also prints, per thread count, how the cells'
+"of read" at batches 16+ moves with their read from run to run (each
+less its cell's mean over the runs): the correlation and slope, and the
+median "of read" of the (cell, run) pairs whose read was in the lowest
+quarter against the rest's. On this VM a neighbour that loads the
+memory slows the one-thread kernel more than the read (session 58).
+
 A case whose best read pass is under half the median read of its thread
 count (in its own run) was disturbed (a neighbour on this shared VM held
 the core for the whole case): the read and the calls are both slow, so its
@@ -78,14 +85,9 @@ def half_up(x):
     return int(x + 0.5)
 
 
-def combine(runs):
-    """Returns {key: (of, median, read, (lo, hi) or None)} over the runs.
-
-    Each figure is the median over the runs in which the cell was not
-    disturbed (see the module's doc); (lo, hi) is the range of "of read"
-    over them when there are several runs, and None marks a cell disturbed
-    in every run (its figures are then the first run's).
-    """
+def disturbed_sets(runs):
+    """Per run, the set of its keys that were disturbed (a best read pass
+    under half the median read of its thread count in that run)."""
     disturbed_in = []
     for cells in runs:
         median_read = {}
@@ -94,6 +96,18 @@ def combine(runs):
                 v[2] for k, v in cells.items() if k[1] == t)
         disturbed_in.append(
             {k for k, v in cells.items() if v[2] < 0.5 * median_read[k[1]]})
+    return disturbed_in
+
+
+def combine(runs):
+    """Returns {key: (of, median, read, (lo, hi) or None)} over the runs.
+
+    Each figure is the median over the runs in which the cell was not
+    disturbed (see the module's doc); (lo, hi) is the range of "of read"
+    over them when there are several runs, and None marks a cell disturbed
+    in every run (its figures are then the first run's).
+    """
+    disturbed_in = disturbed_sets(runs)
     out = {}
     for key in sorted({k for cells in runs for k in cells}):
         kept = [cells[key] for cells, bad in zip(runs, disturbed_in)
@@ -108,6 +122,52 @@ def combine(runs):
                     statistics.median(v[2] for v in kept),
                     (min(ofs), max(ofs)))
     return out
+
+
+def read_trend(runs, threads):
+    """How a run's "of read" moves with its read, for the cells of
+    `threads` threads at batches 16 and more that were undisturbed in two
+    runs or more.
+
+    Returns None if there are fewer than two such (cell, run) pairs, else
+    (pairs, correlation, slope, split, above, below): the correlation and
+    least-squares slope (points a GB/s) of each pair's "of read" less its
+    cell's mean over the runs against its read less the cell's mean read
+    (None where either does not vary), so that the cells' own levels do
+    not count; and the median "of read" of the pairs whose read is at or
+    above `split`, the lower quartile of all pairs' reads, and of those
+    under it, the lowest quarter (None if there are none). A neighbour
+    that loads the memory during a case lowers its read and, if the
+    kernel suffers more than the read, its "of read" too
+    (docs/attention.md, session 58).
+    """
+    disturbed_in = disturbed_sets(runs)
+    by_cell = {}
+    for cells, bad in zip(runs, disturbed_in):
+        for k, v in cells.items():
+            if k[1] == threads and k[2] >= 16 and k not in bad:
+                by_cell.setdefault(k, []).append((v[2], v[0]))
+    pairs = [p for v in by_cell.values() if len(v) >= 2 for p in v]
+    if len(pairs) < 2:
+        return None
+    dx, dy = [], []
+    for v in by_cell.values():
+        if len(v) < 2:
+            continue
+        mx = statistics.fmean(p[0] for p in v)
+        my = statistics.fmean(p[1] for p in v)
+        dx += [p[0] - mx for p in v]
+        dy += [p[1] - my for p in v]
+    sxx = sum(x * x for x in dx)
+    syy = sum(y * y for y in dy)
+    sxy = sum(x * y for x, y in zip(dx, dy))
+    corr = sxy / (sxx * syy) ** 0.5 if sxx > 0 and syy > 0 else None
+    slope = sxy / sxx if sxx > 0 else None
+    split = statistics.quantiles((p[0] for p in pairs), n=4)[0]
+    hi = [p[1] for p in pairs if p[0] >= split]
+    lo = [p[1] for p in pairs if p[0] < split]
+    return (len(pairs), corr, slope, split, statistics.median(hi),
+            statistics.median(lo) if lo else None)
 
 
 def main():
@@ -183,6 +243,25 @@ def main():
                 else f"{min(reads):.0f}-{max(reads):.0f}")
         print(f"{t} thread{'s' if t > 1 else ''}: " + "; ".join(parts) +
               f"; read {read} GB/s")
+    if not several:
+        return
+    print()
+    for t in threads:
+        trend = read_trend(runs, t)
+        if trend is None:
+            continue
+        n, corr, slope, split, above, below = trend
+        text = (f"{t} thread{'s' if t > 1 else ''}, batches 16+, run by run "
+                f"({n} pairs): \"of read\" against the read, each less its "
+                f"cell's mean: ")
+        text += ("no spread" if corr is None else
+                 f"correlation {corr:.2f}, {slope:.1f} points a GB/s")
+        text += "; median \"of read\" "
+        if below is not None:
+            text += (f"{half_up(below)}% where the read was in its lowest "
+                     f"quarter (under {split:.1f} GB/s), ")
+        text += f"{half_up(above)}% in the rest"
+        print(text)
 
 
 if __name__ == "__main__":

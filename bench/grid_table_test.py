@@ -91,6 +91,40 @@ class GridTableTest(unittest.TestCase):
         self.assertEqual(self.cell(out, "fp16, 1", 64, 0), "90% / 90%")
         self.assertIn("batches 16+ 81-90% (0 of 4 under 80%)", out)
 
+    def test_read_trend(self):
+        # fp16 1024 x 16 and 2048 x 16 move 2 points of "of read" a GB/s
+        # of read from run to run, at levels of their own. Batch 1, whose
+        # figures jump, is not counted; nor are 4096 x 16's run 1 and
+        # 8192 x 16's runs 1 and 2 (reads under half their run's median:
+        # disturbed), which leaves 8192 x 16 one run and so no pairs, and
+        # 4096 x 16 two pairs at the same read, 60% and 61%. So dx is
+        # -1 0 1 -1 0 1 0 0 and dy -2 0 2 -2 0 2 -0.5 0.5: slope 8 / 4,
+        # correlation 8 / sqrt(4 * 16.5) = 0.985. The eight reads' lower
+        # quartile is 15.0: below it only the pair at 14 (78%); the rest's
+        # median is that of 60 61 80 82 84 86 88.
+        runs = [
+            [(78, 14.0), (84, 15.0), (50, 15.0), (60, 15.0), (70, 15.0)],
+            [(80, 15.0), (86, 16.0), (99, 15.0), (40, 5.0), (71, 5.0)],
+            [(82, 16.0), (88, 17.0), (70, 15.0), (61, 15.0), (72, 5.0)],
+        ]
+        paths = []
+        for i, (a, b, one, c, d) in enumerate(runs):
+            paths.append(self.write(f"{i}.txt", [
+                row("float16", 1024, 16, 1, a[0], a[0], a[1]),
+                row("float16", 2048, 16, 1, b[0], b[0], b[1]),
+                row("float16", 1024, 1, 1, one[0], one[0], one[1]),
+                row("float16", 4096, 16, 1, c[0], c[0], c[1]),
+                row("float16", 8192, 16, 1, d[0], d[0], d[1]),
+            ]))
+        out = self.run_table(*paths)
+        self.assertIn(
+            "1 thread, batches 16+, run by run (8 pairs): \"of read\" "
+            "against the read, each less its cell's mean: correlation 0.98, "
+            "2.0 points a GB/s; median \"of read\" 78% where the read was "
+            "in its lowest quarter (under 15.0 GB/s), 82% in the rest", out)
+        one = self.run_table(paths[0])
+        self.assertNotIn("run by run", one)
+
     def test_cell_disturbed_in_every_run(self):
         paths = [
             self.write(f"{i}.txt", [
