@@ -21,7 +21,7 @@
 // not means: a few slow read rounds moved a mean-based figure by tens of
 // points in some cases. "calls" counts the case's timed calls: it runs
 // rounds for --seconds and until it has made --min_calls calls (10 by
-// default; calls of 1 GB and more take 60-150 ms each on one thread).
+// default; a call takes about 80 ms a GB of K/V on one thread here).
 //
 //   build/bench/attention_bench [--full] [--seconds=0.3] [--min_calls=10]
 //       [--layout=nhd]
@@ -478,9 +478,9 @@ struct Options {
   AttentionParams params;
   double seconds = 0.3;
   // Timed calls a case makes at least (--min_calls=), however long they
-  // take, so that a case of 1 GB or more (60-150 ms a call on one thread,
-  // one call a round) is the best of ten calls against the best of ten
-  // read passes, not of the three that 0.3 s held (session 58).
+  // take, so that a case of 1 GB or more (about 80 ms a GB a call on one
+  // thread, one call a round) is the best of ten calls against the best of
+  // ten read passes, not of the three that 0.3 s held (session 58).
   int64_t min_calls = 10;
   int64_t kv_heads = 8;  // of 32 query heads
   // Tokens a block (--block_size=): 8, 16 or 32, the kernel's sizes; the
