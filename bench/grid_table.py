@@ -99,15 +99,15 @@ def disturbed_sets(runs):
     return disturbed_in
 
 
-def combine(runs):
-    """Returns {key: (of, median, read, (lo, hi) or None)} over the runs.
+def combine(runs, disturbed_in):
+    """Returns {key: (of, median, read, (lo, hi) or None)} over the runs,
+    given disturbed_sets(runs).
 
     Each figure is the median over the runs in which the cell was not
     disturbed (see the module's doc); (lo, hi) is the range of "of read"
     over them when there are several runs, and None marks a cell disturbed
     in every run (its figures are then the first run's).
     """
-    disturbed_in = disturbed_sets(runs)
     out = {}
     for key in sorted({k for cells in runs for k in cells}):
         kept = [cells[key] for cells, bad in zip(runs, disturbed_in)
@@ -124,10 +124,10 @@ def combine(runs):
     return out
 
 
-def read_trend(runs, threads):
+def read_trend(runs, disturbed_in, threads):
     """How a run's "of read" moves with its read, for the cells of
-    `threads` threads at batches 16 and more that were undisturbed in two
-    runs or more.
+    `threads` threads at batches 16 and more that were undisturbed
+    (disturbed_sets(runs)) in two runs or more.
 
     Returns None if there are fewer than two such (cell, run) pairs, else
     (pairs, correlation, slope, split, above, below): the correlation and
@@ -141,19 +141,17 @@ def read_trend(runs, threads):
     kernel suffers more than the read, its "of read" too
     (docs/attention.md, session 58).
     """
-    disturbed_in = disturbed_sets(runs)
     by_cell = {}
     for cells, bad in zip(runs, disturbed_in):
         for k, v in cells.items():
             if k[1] == threads and k[2] >= 16 and k not in bad:
                 by_cell.setdefault(k, []).append((v[2], v[0]))
-    pairs = [p for v in by_cell.values() if len(v) >= 2 for p in v]
+    kept = [v for v in by_cell.values() if len(v) >= 2]
+    pairs = [p for v in kept for p in v]
     if len(pairs) < 2:
         return None
     dx, dy = [], []
-    for v in by_cell.values():
-        if len(v) < 2:
-            continue
+    for v in kept:
         mx = statistics.fmean(p[0] for p in v)
         my = statistics.fmean(p[1] for p in v)
         dx += [p[0] - mx for p in v]
@@ -170,6 +168,11 @@ def read_trend(runs, threads):
             statistics.median(lo) if lo else None)
 
 
+def threads_label(t):
+    """"1 thread", "2 threads": the summary lines' thread counts."""
+    return f"{t} thread{'s' if t > 1 else ''}"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("grid", nargs="+", help="attention_bench output(s)")
@@ -183,7 +186,8 @@ def main():
         if not cells:
             sys.exit(f"{path}: no grid rows from context {args.min_context}")
         runs.append(cells)
-    cells = combine(runs)
+    disturbed_in = disturbed_sets(runs)
+    cells = combine(runs, disturbed_in)
     several = len(runs) > 1
     dtypes = [d for d in DTYPES if any(k[0] == d for k in cells)]
     threads = sorted({k[1] for k in cells})
@@ -241,17 +245,17 @@ def main():
             parts.append(text + ")")
         read = (f"{min(reads):.0f}" if round(min(reads)) == round(max(reads))
                 else f"{min(reads):.0f}-{max(reads):.0f}")
-        print(f"{t} thread{'s' if t > 1 else ''}: " + "; ".join(parts) +
+        print(f"{threads_label(t)}: " + "; ".join(parts) +
               f"; read {read} GB/s")
     if not several:
         return
     print()
     for t in threads:
-        trend = read_trend(runs, t)
+        trend = read_trend(runs, disturbed_in, t)
         if trend is None:
             continue
         n, corr, slope, split, above, below = trend
-        text = (f"{t} thread{'s' if t > 1 else ''}, batches 16+, run by run "
+        text = (f"{threads_label(t)}, batches 16+, run by run "
                 f"({n} pairs): \"of read\" against the read, each less its "
                 f"cell's mean: ")
         text += ("no spread" if corr is None else
