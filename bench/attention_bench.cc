@@ -37,7 +37,7 @@
 //       [--run_blocks=L] [--len_spread=F]
 //       [--max_gb=2]
 //       [--prefetch=auto|nta|t0|t1] [--flush_mib=N]
-//       [--bf16_keys=auto|dot|widen] [--amx=on|off] [--fp8_dot=on|off]
+//       [--bf16_keys=auto|dot|widen] [--amx=on|off] [--fp8_dot=auto|on|off]
 //       [--nhd_rows=on|off] [--vllm_rows=auto|on|off] [--prefetch_l2=on|off]
 //       [--touch_min_mib=N] [--touch_min_blocks=N] [--partition_size=N]
 //       [--pool_poll_us=N]
@@ -357,6 +357,24 @@ std::string PrefetchWords(AttentionParams::Prefetch hint, CacheLayout layout) {
   return words;
 }
 
+// How fp8 caches meet a bf16 query (AttentionParams::fp8_dot) in words,
+// with kAuto's choice for `layout` on this CPU, block sizes 8-32.
+std::string Fp8DotWords(AttentionParams::Fp8Dot d, CacheLayout layout) {
+  using D = AttentionParams::Fp8Dot;
+  if (!kvstep::Fp8DotSupported() || d == D::kOff) return "";
+  if (d == D::kOn) return ", fp8 by VDPBF16PS (bf16 queries)";
+  const bool b8 = BestFp8Dot(layout, 8), b16 = BestFp8Dot(layout, 16),
+             b32 = BestFp8Dot(layout, 32);
+  if (b8 && b16 && b32) return ", fp8 by VDPBF16PS (bf16 queries)";
+  if (!b8 && !b16 && !b32) return "";
+  if (b8 && !b16 && !b32) {
+    return ", fp8 by VDPBF16PS (bf16 queries) only at block size 8 (this "
+           "CPU's choice)";
+  }
+  return ", fp8 by VDPBF16PS (bf16 queries) at some block sizes (this CPU's "
+         "choice)";
+}
+
 // A configuration in words, for the table headers.
 std::string Describe(const AttentionParams& p, CacheLayout layout) {
   return std::string("kernel ") + KernelName(p.kernel) +
@@ -390,10 +408,7 @@ std::string Describe(const AttentionParams& p, CacheLayout layout) {
          (p.amx && kvstep::AmxSupported()
               ? ", AMX for 16-bit prefill chunks (beyond the FMA peak)"
               : "") +
-         (p.fp8_dot && kvstep::Fp8DotSupported()
-              ? ", fp8 by VDPBF16PS (bf16 queries)"
-              : "") +
-         ", slice touch " +
+         Fp8DotWords(p.fp8_dot, layout) + ", slice touch " +
          (p.touch_min_bytes < 0 && p.touch_min_blocks < 0
               ? std::string("auto")
               : "from " + std::to_string(p.touch_min_bytes >> 20) +
@@ -430,8 +445,12 @@ bool ParseParamFlag(const std::string& a, AttentionParams* p) {
     p->bf16_keys = AttentionParams::Bf16Keys::kAuto;
   } else if (a == "--amx=on" || a == "--amx=off") {
     p->amx = a == "--amx=on";
-  } else if (a == "--fp8_dot=on" || a == "--fp8_dot=off") {
-    p->fp8_dot = a == "--fp8_dot=on";
+  } else if (a == "--fp8_dot=on") {
+    p->fp8_dot = AttentionParams::Fp8Dot::kOn;
+  } else if (a == "--fp8_dot=off") {
+    p->fp8_dot = AttentionParams::Fp8Dot::kOff;
+  } else if (a == "--fp8_dot=auto") {
+    p->fp8_dot = AttentionParams::Fp8Dot::kAuto;
   } else if (a == "--nhd_rows=on" || a == "--nhd_rows=off") {
     p->nhd_rows = a == "--nhd_rows=on";
   } else if (a == "--vllm_rows=on") {

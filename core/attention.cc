@@ -514,6 +514,24 @@ bool KeyTilePrefetchLines(int64_t bs, bool burst, int64_t tb, int64_t first,
 bool AmxUsable();
 bool Fp8DotUsable();
 
+// Whether a call over an fp8 cache in `layout` at `block_size` takes the
+// VDPBF16PS passes (AttentionParams::fp8_dot, kAuto resolved for this
+// CPU): never where the CPU lacks them; with kAuto on AMD always, elsewhere
+// only in the vLLM layout at block size 8, whose rows and key pairs are
+// built on them (session 59; see AttentionParams::fp8_dot).
+bool ResolveFp8Dot(AttentionParams::Fp8Dot d, CacheLayout layout,
+                   int64_t block_size) {
+  if (!Fp8DotUsable()) return false;
+  switch (d) {
+    case AttentionParams::Fp8Dot::kOn:
+      return true;
+    case AttentionParams::Fp8Dot::kOff:
+      return false;
+    default:
+      return AmdVendor() || (layout == CacheLayout::kVllm && block_size == 8);
+  }
+}
+
 // AMX for prefill chunks of 16-bit caches in the vLLM layout (Logits,
 // Values). TDPBF16PS multiplies bf16 tiles exactly into fp32 sums (as
 // VDPBF16PS; denormal inputs flushed, which no value of interest is). A
@@ -1681,6 +1699,9 @@ AttentionParams::Isa BestIsa() { return Resolve(Isa::kBest); }
 
 bool AmxSupported() { return AmxUsable(); }
 bool Fp8DotSupported() { return Fp8DotUsable(); }
+bool BestFp8Dot(CacheLayout layout, int64_t block_size) {
+  return ResolveFp8Dot(AttentionParams::Fp8Dot::kAuto, layout, block_size);
+}
 
 const char* IsaName(AttentionParams::Isa isa) {
   switch (isa) {

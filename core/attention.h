@@ -180,7 +180,7 @@ struct AttentionParams {
   // (session 12) and 1.9-2x less for fp16 (session 13; docs/attention.md).
   // false: the FMA passes (tests, benchmarks).
   bool amx = true;
-  // Whether the AVX-512 build may run fp8 caches (vLLM layout, head sizes
+  // Whether the AVX-512 build runs fp8 caches (vLLM layout, head sizes
   // that are multiples of 16) against a bf16 query by VDPBF16PS where the
   // CPU has AVX512-VBMI (Fp8DotSupported): two byte lookups (VPERMI2B)
   // turn 64 fp8 elements into their exact bf16 values. Keys: against the
@@ -189,15 +189,27 @@ struct AttentionParams {
   // rounded to bf16, which moves an output by at most 2^-9 of the row's
   // largest |value|, about a bf16 output's own rounding (vLLM's GPU kernel
   // rounds the weights to the model's dtype too). Per 64 bytes and 4 heads
-  // the arithmetic drops from 12 integer ops and 16 FMAs to 5 and 8; fp8
-  // calls took 0.68-0.86x the time (docs/attention.md, session 17). fp16
-  // and fp32 queries, and every query where this is false or the CPU
-  // lacks VBMI, take the converting passes (LogitsFp8Z, ValuesFp8Z): an
-  // fp16 query's keys by two exact bf16 parts took 1.12-1.17x their time.
-  // NHD rows (nhd_rows) take it for keys only: their values by it took
-  // 0.98-1.01x the exact pass's time, their keys 0.92-0.94x (session 19).
-  // false: for A/B runs and tests.
-  bool fp8_dot = true;
+  // the arithmetic drops from 12 integer ops and 16 FMAs to 5 and 8 VDPBF16PS;
+  // on Zen 5 fp8 calls took 0.68-0.86x the time (docs/attention.md, session
+  // 17). On the Intel Xeon guest of session 59 (model 207), where a zmm
+  // VDPBF16PS holds both FMA pipes for about 2 cycles (session 51), the
+  // converting passes took 0.70-0.91x the time of these in every case
+  // measured (e4m3 and e5m2; 1k-8k keys, batches 1-256, one and two
+  // threads, cold and warm; block size 32; NHD rows' keys; prefill chunks
+  // of 16 and 512 tokens) but 1.18-1.41x at block size 8 in the vLLM
+  // layout, whose fast paths (decode rows over every KV head, key pairs in
+  // prefill chunks) exist for these passes only. fp16 and fp32 queries, and
+  // every query where this resolves to false or the CPU lacks VBMI, take
+  // the converting passes (LogitsFp8Z, ValuesFp8Z): an fp16 query's keys by
+  // two exact bf16 parts took 1.12-1.17x their time. NHD rows (nhd_rows)
+  // take it for keys only: their values by it took 0.98-1.01x the exact
+  // pass's time, their keys 0.92-0.94x on Zen 5 (session 19). kAuto: this
+  // CPU's choice (BestFp8Dot): on AMD (and Hygon) always; elsewhere only
+  // vLLM-layout caches at block size 8. kOn: wherever the CPU runs it
+  // (tests, benchmarks); kOff: never (the converting passes). Outputs of
+  // bf16 queries differ between the two by the weights' rounding above.
+  enum class Fp8Dot { kAuto, kOn, kOff };
+  Fp8Dot fp8_dot = Fp8Dot::kAuto;
   // Whether the AVX-512 build reads an NHD cache ([blocks, block, KV heads,
   // head]) a row at a time: one item per row over all its KV heads, each
   // block's token rows read whole, in calls whose rows have few query
@@ -287,6 +299,10 @@ bool AmxSupported();
 // Whether this CPU runs the fp8 VDPBF16PS passes (AttentionParams::
 // fp8_dot): the AVX-512 build and AVX512-VBMI.
 bool Fp8DotSupported();
+// Whether kAuto runs fp8 caches in `layout` at `block_size` tokens a block
+// by VDPBF16PS on this CPU (AttentionParams::fp8_dot): false where the CPU
+// lacks it (Fp8DotSupported).
+bool BestFp8Dot(CacheLayout layout, int64_t block_size);
 // What kAuto multiplies bf16 keys with on this CPU (never kAuto): in
 // decode (and NHD prefill chunks of rows of at most 32 query tokens), or
 // with `chunks` in vLLM-layout prefill chunks and NHD ones of longer rows.

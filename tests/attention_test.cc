@@ -17,6 +17,10 @@
 #include <utility>
 #include <vector>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 #include "core/float_convert.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -399,7 +403,11 @@ struct Case {
   // kAuto takes on this one: VllmRowsAutoTakesThisCpusChoice); false kOff.
   bool vllm_rows = true;
   bool prefetch_l2 = true;  // AttentionParams::prefetch_l2
-  double scale = 0;         // AttentionParams::scale (0: 1 / sqrt(head_size))
+  // AttentionParams::fp8_dot: true is kOn, so that the sweeps run the fp8
+  // VDPBF16PS passes wherever the CPU has them (what kAuto takes on this
+  // one: Fp8DotAutoTakesThisCpusChoice); false kOff.
+  bool fp8_dot = true;
+  double scale = 0;  // AttentionParams::scale (0: 1 / sqrt(head_size))
   // 2: a pool of two threads, used for any call (parallel_min_bytes 0);
   // 1: the caller alone.
   int threads = 2;
@@ -541,6 +549,8 @@ void Check(const Case& k) {
   p.vllm_rows = k.vllm_rows ? AttentionParams::VllmRows::kOn
                             : AttentionParams::VllmRows::kOff;
   p.prefetch_l2 = k.prefetch_l2;
+  p.fp8_dot =
+      k.fp8_dot ? AttentionParams::Fp8Dot::kOn : AttentionParams::Fp8Dot::kOff;
   if (k.alibi) {
     for (int64_t h = 0; h < H; ++h)
       p.alibi_slopes.push_back(std::pow(2.0f, -(h + 1)));
@@ -1122,6 +1132,7 @@ TEST(PagedAttention, Fp8SpecialBytesUnwrittenSlotsAndHugeQueries) {
               p.k_scale = 0.5f;
               p.v_scale = 0.25f;
               p.vllm_rows = AttentionParams::VllmRows::kOn;  // counted below
+              p.fp8_dot = AttentionParams::Fp8Dot::kOn;      // wherever it runs
               p.isa = k == 0 ? AttentionParams::Isa::kAvx512
                              : AttentionParams::Isa::kPortable;
               ASSERT_TRUE(
@@ -1235,7 +1246,8 @@ void RunFp8DotAndConverting(const Fp8Row& r, const Tensor& q, int64_t window,
     p.v_scale = kFp8VScale;
     p.sliding_window = window;
     p.isa = AttentionParams::Isa::kAvx512;
-    p.fp8_dot = k == 0;
+    p.fp8_dot =
+        k == 0 ? AttentionParams::Fp8Dot::kOn : AttentionParams::Fp8Dot::kOff;
     p.vllm_rows = AttentionParams::VllmRows::kOn;  // callers count row passes
     ASSERT_TRUE(
         PagedAttention(*r.cache, 0, q, r.rows, p, nullptr, &outs[k]).ok());
@@ -1793,9 +1805,10 @@ TEST(PagedAttention, VllmRowsPast256KbOnlyForFewRowsOneThreadOrRuns) {
 // CPU reads faster by them, under the same gates as kOn: a decode batch of
 // 3 rows of 300 keys (8 heads over 2 KV heads, head 64, one thread; zero
 // K/V: only which pass runs is checked) at block sizes 8 and 16, for every
-// cache dtype (fp8 with a bf16 query, where its rows run by VDPBF16PS).
-// Caches of 8- and 16-bit elements at block size 8 take the rows on every
-// CPU measured (Zen 5 and the Intel Xeon of session 47), and kOff never.
+// cache dtype (fp8 with a bf16 query, where its rows run by VDPBF16PS,
+// which fp8_dot's kAuto takes where BestFp8Dot says so). Caches of 8- and
+// 16-bit elements at block size 8 take the rows on every CPU measured (Zen
+// 5 and the Intel Xeon of session 47), and kOff never.
 TEST(PagedAttention, VllmRowsAutoTakesThisCpusChoice) {
   const bool avx512 = IsaSupported(AttentionParams::Isa::kAvx512);
   for (DType d :
@@ -1823,13 +1836,99 @@ TEST(PagedAttention, VllmRowsAutoTakesThisCpusChoice) {
         const int64_t before = internal::VllmRowPasses();
         Tensor out;
         ASSERT_TRUE(PagedAttention(*cache, 0, q, rows, p, nullptr, &out).ok());
-        const bool can = avx512 && (!fp8 || Fp8DotSupported());
+        const bool can = avx512 && (!fp8 || BestFp8Dot(CacheLayout::kVllm, bs));
         EXPECT_EQ(
             internal::VllmRowPasses() > before,
             can && v == AttentionParams::VllmRows::kAuto && BestVllmRows(d, bs))
             << DTypeName(d) << " block " << bs << " "
             << (v == AttentionParams::VllmRows::kAuto ? "auto" : "off");
       }
+    }
+  }
+}
+
+// Whether CPUID names AMD or Hygon (Zen cores) as this CPU's vendor: where
+// the kernel's per-CPU choices take the Zen 5's measurements.
+bool AmdOrHygonCpu() {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return false;
+  char vendor[13] = {};
+  std::memcpy(vendor, &ebx, 4);
+  std::memcpy(vendor + 4, &edx, 4);
+  std::memcpy(vendor + 8, &ecx, 4);
+  return std::strcmp(vendor, "AuthenticAMD") == 0 ||
+         std::strcmp(vendor, "HygonGenuine") == 0;
+#else
+  return false;
+#endif
+}
+
+// fp8_dot's kAuto (the default) takes the fp8 VDPBF16PS passes where
+// BestFp8Dot says this CPU runs them faster, and then gives kOn's output
+// bit for bit, elsewhere kOff's: decode batches of 3 rows of 300 keys over
+// random finite e4m3 bytes (8 heads over 2 KV heads, head 64, a bf16
+// query, one thread), both layouts, block sizes 8, 16 and 32. kOff never
+// runs them; kOn wherever the CPU has them (every KV head's keys in NHD
+// rows, keys and values in the vLLM layout). BestFp8Dot is the measured
+// choice: on AMD (Zen 5, session 17) every shape, elsewhere (the Intel
+// Xeon of session 59) only block size 8 in the vLLM layout, whose rows
+// and key pairs are built on these passes.
+TEST(PagedAttention, Fp8DotAutoTakesThisCpusChoice) {
+  using D = AttentionParams::Fp8Dot;
+  std::mt19937_64 rng(59);
+  for (CacheLayout layout : {CacheLayout::kVllm, CacheLayout::kNhd}) {
+    for (int64_t bs : {8, 16, 32}) {
+      SCOPED_TRACE(::testing::Message()
+                   << (layout == CacheLayout::kVllm ? "vllm" : "nhd")
+                   << " block " << bs);
+      EXPECT_EQ(
+          BestFp8Dot(layout, bs),
+          Fp8DotSupported() &&
+              (AmdOrHygonCpu() || (layout == CacheLayout::kVllm && bs == 8)));
+      const int64_t keys = 300, batch = 3, width = (keys + bs - 1) / bs;
+      auto cache =
+          SmallCache(DType::kFp8E4M3, width * batch, bs, 2, 64, 1, layout);
+      for (const Tensor* t : {&cache->key(0), &cache->value(0)}) {
+        auto* b = static_cast<uint8_t*>(t->raw_data());
+        for (size_t i = 0; i < t->nbytes(); ++i) {
+          b[i] = static_cast<uint8_t>(rng());
+          if ((b[i] & 0x7f) == 0x7f) b[i] ^= 1;  // e4m3's NaN: finite
+        }
+      }
+      AttentionRows rows;
+      rows.num_real = batch;
+      rows.width = width;
+      for (int64_t r = 0; r <= batch; ++r) rows.query_start.push_back(r);
+      rows.seq_lens.assign(batch, keys);
+      rows.block_tables.resize(width * batch);
+      std::iota(rows.block_tables.begin(), rows.block_tables.end(), 0);
+      std::shuffle(rows.block_tables.begin(), rows.block_tables.end(), rng);
+      std::vector<float> qraw(batch * 8 * 64);
+      std::uniform_real_distribution<float> uni(-1, 1);
+      for (float& x : qraw) x = uni(rng);
+      const Tensor q = Activations(DType::kBFloat16, {batch, 8, 64}, qraw);
+      Tensor outs[3];
+      int64_t dots[3];
+      const D modes[3] = {D::kAuto, D::kOn, D::kOff};
+      for (int k = 0; k < 3; ++k) {
+        AttentionParams p;
+        p.fp8_dot = modes[k];
+        p.k_scale = 0.5f;
+        p.v_scale = 0.25f;
+        const int64_t before = internal::Fp8DotPasses();
+        ASSERT_TRUE(
+            PagedAttention(*cache, 0, q, rows, p, nullptr, &outs[k]).ok());
+        dots[k] = internal::Fp8DotPasses() - before;
+      }
+      const bool best = BestFp8Dot(layout, bs);
+      EXPECT_EQ(dots[0] > 0, best);
+      EXPECT_EQ(dots[1] > 0, Fp8DotSupported());
+      EXPECT_EQ(dots[2], 0);
+      const Tensor& same = outs[best ? 1 : 2];
+      ASSERT_EQ(outs[0].nbytes(), same.nbytes());
+      EXPECT_EQ(std::memcmp(outs[0].raw_data(), same.raw_data(), same.nbytes()),
+                0);
     }
   }
 }
