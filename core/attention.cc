@@ -1787,6 +1787,7 @@ int64_t Bf16DotKeyPasses() { return bf16_dot_key_passes.load(); }
 int64_t NhdRowPasses() { return nhd_row_passes.load(); }
 int64_t VllmRowPasses() { return vllm_row_passes.load(); }
 int64_t LongRowRangeCalls() { return long_row_range_calls.load(); }
+bool AmdOrHygonCpu() { return AmdVendor(); }
 
 int64_t ClaimSize(int64_t n, int64_t kvh, int64_t threads) {
   return kvstep::ClaimSize(n, kvh, threads);

@@ -413,6 +413,10 @@ int64_t LongRowRangeCalls();
 // How many consecutive (row, KV head) items of n a thread claims at a time
 // (kvh KV heads a row, `threads` threads); see attention.cc.
 int64_t ClaimSize(int64_t n, int64_t kvh, int64_t threads);
+// Whether CPUID names AMD or Hygon (Zen cores) as this CPU's vendor: where
+// the kernel's per-CPU choices take the Zen 5's measurements (the tests
+// check those choices against it).
+bool AmdOrHygonCpu();
 }  // namespace internal
 
 }  // namespace kvstep

@@ -17,10 +17,6 @@
 #include <utility>
 #include <vector>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <cpuid.h>
-#endif
-
 #include "core/float_convert.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -365,6 +361,19 @@ AttentionRows OneDecodeRow(int64_t n, std::vector<int64_t> table) {
   rows.query_start = {0, 1};
   rows.seq_lens = {n};
   rows.block_tables = std::move(table);
+  return rows;
+}
+
+// `batch` decode rows of `keys` tokens each; row r's table holds blocks
+// r * width .. r * width + width - 1 (width: keys / bs, rounded up).
+AttentionRows DecodeRows(int64_t batch, int64_t keys, int64_t bs) {
+  AttentionRows rows;
+  rows.num_real = batch;
+  rows.width = (keys + bs - 1) / bs;
+  for (int64_t r = 0; r <= batch; ++r) rows.query_start.push_back(r);
+  rows.seq_lens.assign(batch, keys);
+  rows.block_tables.resize(rows.width * batch);
+  std::iota(rows.block_tables.begin(), rows.block_tables.end(), 0);
   return rows;
 }
 
@@ -1822,13 +1831,7 @@ TEST(PagedAttention, VllmRowsAutoTakesThisCpusChoice) {
                      AttentionParams::VllmRows::kOff}) {
         const int64_t keys = 300, batch = 3, width = (keys + bs - 1) / bs;
         auto cache = SmallCache(d, width * batch, bs, 2, 64);
-        AttentionRows rows;
-        rows.num_real = batch;
-        rows.width = width;
-        for (int64_t r = 0; r <= batch; ++r) rows.query_start.push_back(r);
-        rows.seq_lens.assign(batch, keys);
-        rows.block_tables.resize(width * batch);
-        std::iota(rows.block_tables.begin(), rows.block_tables.end(), 0);
+        const AttentionRows rows = DecodeRows(batch, keys, bs);
         const Tensor q = *Tensor::Zeros(CpuDevice(), fp8 ? DType::kBFloat16 : d,
                                         {batch, 8, 64});
         AttentionParams p;
@@ -1845,23 +1848,6 @@ TEST(PagedAttention, VllmRowsAutoTakesThisCpusChoice) {
       }
     }
   }
-}
-
-// Whether CPUID names AMD or Hygon (Zen cores) as this CPU's vendor: where
-// the kernel's per-CPU choices take the Zen 5's measurements.
-bool AmdOrHygonCpu() {
-#if defined(__x86_64__) || defined(__i386__)
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return false;
-  char vendor[13] = {};
-  std::memcpy(vendor, &ebx, 4);
-  std::memcpy(vendor + 4, &edx, 4);
-  std::memcpy(vendor + 8, &ecx, 4);
-  return std::strcmp(vendor, "AuthenticAMD") == 0 ||
-         std::strcmp(vendor, "HygonGenuine") == 0;
-#else
-  return false;
-#endif
 }
 
 // fp8_dot's kAuto (the default) takes the fp8 VDPBF16PS passes where
@@ -1884,8 +1870,8 @@ TEST(PagedAttention, Fp8DotAutoTakesThisCpusChoice) {
                    << " block " << bs);
       EXPECT_EQ(
           BestFp8Dot(layout, bs),
-          Fp8DotSupported() &&
-              (AmdOrHygonCpu() || (layout == CacheLayout::kVllm && bs == 8)));
+          Fp8DotSupported() && (internal::AmdOrHygonCpu() ||
+                                (layout == CacheLayout::kVllm && bs == 8)));
       const int64_t keys = 300, batch = 3, width = (keys + bs - 1) / bs;
       auto cache =
           SmallCache(DType::kFp8E4M3, width * batch, bs, 2, 64, 1, layout);
@@ -1896,13 +1882,7 @@ TEST(PagedAttention, Fp8DotAutoTakesThisCpusChoice) {
           if ((b[i] & 0x7f) == 0x7f) b[i] ^= 1;  // e4m3's NaN: finite
         }
       }
-      AttentionRows rows;
-      rows.num_real = batch;
-      rows.width = width;
-      for (int64_t r = 0; r <= batch; ++r) rows.query_start.push_back(r);
-      rows.seq_lens.assign(batch, keys);
-      rows.block_tables.resize(width * batch);
-      std::iota(rows.block_tables.begin(), rows.block_tables.end(), 0);
+      AttentionRows rows = DecodeRows(batch, keys, bs);
       std::shuffle(rows.block_tables.begin(), rows.block_tables.end(), rng);
       std::vector<float> qraw(batch * 8 * 64);
       std::uniform_real_distribution<float> uni(-1, 1);
