@@ -19,6 +19,7 @@ using ::kvstep::testing_util::I64;
 using ::kvstep::testing_util::Values;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 std::unique_ptr<Engine> MakeEngine(int64_t num_blocks, int64_t block_size = 16,
                                    EngineLimits limits = {}) {
@@ -618,6 +619,25 @@ TEST(EngineOptions, AttentionPrefetchIsReportedAndChangesNoResult) {
       HasSubstr(absl::StrCat(
           IsaName(BestIsa()), ", ",
           PrefetchName(BestPrefetch(DType::kFloat32, CacheLayout::kVllm)))));
+  EXPECT_THAT((*e)->Info().attention_kernel, Not(HasSubstr("fp8")));
+  // An fp8 cache's report says how its bytes meet a bf16 query, as this
+  // CPU chooses for the layout and block size (BestFp8Dot).
+  for (CacheLayout layout : {CacheLayout::kVllm, CacheLayout::kNhd}) {
+    for (int64_t bs : {8, 16}) {
+      EngineOptions f;
+      f.cache.num_blocks = 8;
+      f.cache.block_size = bs;
+      f.cache.layout = layout;
+      f.cache.dtype = DType::kFp8E4M3;
+      absl::StatusOr<std::unique_ptr<Engine>> fe = Engine::Create(f);
+      ASSERT_TRUE(fe.ok()) << fe.status();
+      EXPECT_THAT((*fe)->Info().attention_kernel,
+                  HasSubstr(BestFp8Dot(layout, bs)
+                                ? ", fp8 by VDPBF16PS for bf16 queries"
+                                : ", fp8 converted to fp32"))
+          << "block " << bs;
+    }
+  }
 }
 
 // Random operations through the whole engine, auditing the invariants
