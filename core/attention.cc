@@ -517,8 +517,9 @@ bool Fp8DotUsable();
 // Whether a call over an fp8 cache in `layout` at `block_size` takes the
 // VDPBF16PS passes (AttentionParams::fp8_dot, kAuto resolved for this
 // CPU): never where the CPU lacks them; with kAuto on AMD always, elsewhere
-// only in the vLLM layout at block size 8, whose rows and key pairs are
-// built on them (session 59; see AttentionParams::fp8_dot).
+// only in the vLLM layout at block size 8, whose decode rows and key tiles
+// over two blocks are built on them (session 59; see AttentionParams::
+// fp8_dot).
 bool ResolveFp8Dot(AttentionParams::Fp8Dot d, CacheLayout layout,
                    int64_t block_size) {
   if (!Fp8DotUsable()) return false;

@@ -197,8 +197,8 @@ struct AttentionParams {
   // measured (e4m3 and e5m2; 1k-8k keys, batches 1-256, one and two
   // threads, cold and warm; block size 32; NHD rows' keys; prefill chunks
   // of 16 and 512 tokens) but 1.18-1.41x at block size 8 in the vLLM
-  // layout, whose fast paths (decode rows over every KV head, key pairs in
-  // prefill chunks) exist for these passes only. fp16 and fp32 queries, and
+  // layout, whose fast paths (decode rows over every KV head, key tiles
+  // over two blocks) exist for these passes only. fp16 and fp32 queries, and
   // every query where this resolves to false or the CPU lacks VBMI, take
   // the converting passes (LogitsFp8Z, ValuesFp8Z): an fp16 query's keys by
   // two exact bf16 parts took 1.12-1.17x their time. NHD rows (nhd_rows)
