@@ -357,22 +357,18 @@ std::string PrefetchWords(AttentionParams::Prefetch hint, CacheLayout layout) {
   return words;
 }
 
-// How fp8 caches meet a bf16 query (AttentionParams::fp8_dot) in words,
-// with kAuto's choice for `layout` on this CPU, block sizes 8-32.
+// How fp8 caches meet a bf16 query (AttentionParams::fp8_dot) in words.
+// kAuto's choice (BestFp8Dot) is one for block sizes 16 and 32, and block
+// size 8 in the vLLM layout may take the dot passes where they do not.
 std::string Fp8DotWords(AttentionParams::Fp8Dot d, CacheLayout layout) {
   using D = AttentionParams::Fp8Dot;
   if (!kvstep::Fp8DotSupported() || d == D::kOff) return "";
-  if (d == D::kOn) return ", fp8 by VDPBF16PS (bf16 queries)";
-  const bool b8 = BestFp8Dot(layout, 8), b16 = BestFp8Dot(layout, 16),
-             b32 = BestFp8Dot(layout, 32);
-  if (b8 && b16 && b32) return ", fp8 by VDPBF16PS (bf16 queries)";
-  if (!b8 && !b16 && !b32) return "";
-  if (b8 && !b16 && !b32) {
-    return ", fp8 by VDPBF16PS (bf16 queries) only at block size 8 (this "
-           "CPU's choice)";
+  if (d == D::kOn || BestFp8Dot(layout, 16)) {
+    return ", fp8 by VDPBF16PS (bf16 queries)";
   }
-  return ", fp8 by VDPBF16PS (bf16 queries) at some block sizes (this CPU's "
-         "choice)";
+  return BestFp8Dot(layout, 8) ? ", fp8 by VDPBF16PS (bf16 queries) only at "
+                                 "block size 8 (this CPU's choice)"
+                               : "";
 }
 
 // A configuration in words, for the table headers.
