@@ -1703,6 +1703,18 @@ bool Fp8DotSupported() { return Fp8DotUsable(); }
 bool BestFp8Dot(CacheLayout layout, int64_t block_size) {
   return ResolveFp8Dot(AttentionParams::Fp8Dot::kAuto, layout, block_size);
 }
+Fp8DotScope BestFp8DotScope(const CacheConfig& c) {
+  if (DTypeSize(c.dtype) != 1 || !BestFp8Dot(c.layout, c.block_size)) {
+    return Fp8DotScope::kNone;
+  }
+  // The shapes the passes take: Attender's LogitsFp8Dot and ValuesFp8Dot
+  // in the vLLM layout (head sizes in steps of 16, which every fp8 cache
+  // of that layout has: CacheConfig's x), RowTokens and NhdFp8Dot in NHD
+  // (rows over every KV head).
+  if (c.layout == CacheLayout::kVllm) return Fp8DotScope::kKeysAndValues;
+  return c.head_size % 64 == 0 && c.num_kv_heads >= 2 ? Fp8DotScope::kKeys
+                                                      : Fp8DotScope::kNone;
+}
 
 const char* IsaName(AttentionParams::Isa isa) {
   switch (isa) {

@@ -170,15 +170,25 @@ EngineInfo Engine::Info() const {
   // And whether decode calls of long rows take 1024-key ranges
   // (BestLongRowRanges; 16-bit and fp32 caches).
   const bool long_ranges = BestLongRowRanges(c.dtype, c.layout);
-  // And for an fp8 cache how its bytes meet a bf16 query (BestFp8Dot): on
-  // AMD by VDPBF16PS (0.68-0.86x the conversion's time on Zen 5), elsewhere
-  // mostly converted (0.70-0.91x the dot products' time on an Intel Xeon;
-  // docs/attention.md, sessions 17 and 59).
+  // And for an fp8 cache how its bytes meet a bf16 query in decode
+  // (BestFp8DotScope): on AMD by VDPBF16PS (0.68-0.86x the conversion's
+  // time on Zen 5), elsewhere mostly converted (0.70-0.91x the dot
+  // products' time on an Intel Xeon; docs/attention.md, sessions 17 and
+  // 59), and only in the shapes the dot passes take.
   const char* fp8 = "";
   if (DTypeSize(c.dtype) == 1) {
-    fp8 = BestFp8Dot(c.layout, c.block_size)
-              ? ", fp8 by VDPBF16PS for bf16 queries"
-              : ", fp8 converted to fp32";
+    switch (BestFp8DotScope(c)) {
+      case Fp8DotScope::kKeysAndValues:
+        fp8 = ", fp8 by VDPBF16PS for bf16 queries";
+        break;
+      case Fp8DotScope::kKeys:
+        fp8 =
+            ", fp8 keys by VDPBF16PS for bf16 queries, values converted to "
+            "fp32";
+        break;
+      default:
+        fp8 = ", fp8 converted to fp32";
+    }
   }
   info.attention_kernel = absl::StrCat(
       IsaName(BestIsa()), ", ", PrefetchName(attention_prefetch_),

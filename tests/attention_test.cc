@@ -1913,6 +1913,59 @@ TEST(PagedAttention, Fp8DotAutoTakesThisCpusChoice) {
   }
 }
 
+// BestFp8DotScope (what GetServerInfo reports) says where kAuto's decode
+// calls with a bf16 query run the fp8 VDPBF16PS passes: both layouts,
+// block sizes 8 and 16, head sizes 64 and 96 (NHD takes them for keys at
+// multiples of 64 only), one and two KV heads (NHD rows need two). A
+// decode batch of 2 rows of 100 random finite e4m3 keys, 4 query heads a
+// KV head; an fp16 query never runs them.
+TEST(PagedAttention, Fp8DotScopeSaysWhatRuns) {
+  std::mt19937_64 rng(60);
+  for (CacheLayout layout : {CacheLayout::kVllm, CacheLayout::kNhd}) {
+    for (int64_t bs : {8, 16}) {
+      for (int64_t head : {64, 96}) {
+        for (int64_t kv : {1, 2}) {
+          SCOPED_TRACE(::testing::Message()
+                       << (layout == CacheLayout::kVllm ? "vllm" : "nhd")
+                       << " block " << bs << " head " << head << " kv " << kv);
+          const int64_t keys = 100, batch = 2, width = (keys + bs - 1) / bs;
+          auto cache = SmallCache(DType::kFp8E4M3, width * batch, bs, kv, head,
+                                  1, layout);
+          for (const Tensor* t : {&cache->key(0), &cache->value(0)}) {
+            auto* b = static_cast<uint8_t*>(t->raw_data());
+            for (size_t i = 0; i < t->nbytes(); ++i) {
+              b[i] = static_cast<uint8_t>(rng());
+              if ((b[i] & 0x7f) == 0x7f) b[i] ^= 1;  // e4m3's NaN: finite
+            }
+          }
+          const Fp8DotScope scope = BestFp8DotScope(cache->config());
+          EXPECT_EQ(scope != Fp8DotScope::kNone,
+                    BestFp8Dot(layout, bs) && (layout == CacheLayout::kVllm ||
+                                               (head % 64 == 0 && kv >= 2)));
+          EXPECT_EQ(scope == Fp8DotScope::kKeys,
+                    scope != Fp8DotScope::kNone && layout == CacheLayout::kNhd);
+          const AttentionRows rows = DecodeRows(batch, keys, bs);
+          std::vector<float> qraw(batch * kv * 4 * head);
+          std::uniform_real_distribution<float> uni(-1, 1);
+          for (float& x : qraw) x = uni(rng);
+          for (DType qd : {DType::kBFloat16, DType::kFloat16}) {
+            const Tensor q = Activations(qd, {batch, kv * 4, head}, qraw);
+            AttentionParams p;
+            p.k_scale = 0.5f;
+            Tensor out;
+            const int64_t before = internal::Fp8DotPasses();
+            ASSERT_TRUE(
+                PagedAttention(*cache, 0, q, rows, p, nullptr, &out).ok());
+            EXPECT_EQ(internal::Fp8DotPasses() > before,
+                      qd == DType::kBFloat16 && scope != Fp8DotScope::kNone)
+                << DTypeName(qd) << " query";
+          }
+        }
+      }
+    }
+  }
+}
+
 // kAuto takes decode calls whose rows of 4 MiB of K/V a KV head or more
 // (head 128: 8192 keys of a 16-bit cache, 4096 of fp32; keys within the
 // sliding window) hold at least half the call's keys in 1024-key ranges

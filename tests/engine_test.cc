@@ -7,6 +7,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -620,22 +621,41 @@ TEST(EngineOptions, AttentionPrefetchIsReportedAndChangesNoResult) {
           IsaName(BestIsa()), ", ",
           PrefetchName(BestPrefetch(DType::kFloat32, CacheLayout::kVllm)))));
   EXPECT_THAT((*e)->Info().attention_kernel, Not(HasSubstr("fp8")));
-  // An fp8 cache's report says how its bytes meet a bf16 query, as this
-  // CPU chooses for the layout and block size (BestFp8Dot).
+  // An fp8 cache's report says how its bytes meet a bf16 query in decode,
+  // as this CPU chooses for the layout, block size, head size and KV
+  // heads (BestFp8DotScope; attention_test's Fp8DotScopeSaysWhatRuns
+  // checks that against the calls).
   for (CacheLayout layout : {CacheLayout::kVllm, CacheLayout::kNhd}) {
     for (int64_t bs : {8, 16}) {
-      EngineOptions f;
-      f.cache.num_blocks = 8;
-      f.cache.block_size = bs;
-      f.cache.layout = layout;
-      f.cache.dtype = DType::kFp8E4M3;
-      absl::StatusOr<std::unique_ptr<Engine>> fe = Engine::Create(f);
-      ASSERT_TRUE(fe.ok()) << fe.status();
-      EXPECT_THAT((*fe)->Info().attention_kernel,
-                  HasSubstr(BestFp8Dot(layout, bs)
-                                ? ", fp8 by VDPBF16PS for bf16 queries"
-                                : ", fp8 converted to fp32"))
-          << "block " << bs;
+      for (int64_t head : {64, 96}) {
+        for (int64_t kv : {1, 2}) {
+          EngineOptions f;
+          f.cache.num_blocks = 8;
+          f.cache.block_size = bs;
+          f.cache.layout = layout;
+          f.cache.head_size = head;
+          f.cache.num_kv_heads = kv;
+          f.cache.dtype = DType::kFp8E4M3;
+          absl::StatusOr<std::unique_ptr<Engine>> fe = Engine::Create(f);
+          ASSERT_TRUE(fe.ok()) << fe.status();
+          const char* want = ", fp8 converted to fp32";
+          switch (BestFp8DotScope(f.cache)) {
+            case Fp8DotScope::kKeysAndValues:
+              want = ", fp8 by VDPBF16PS for bf16 queries";
+              break;
+            case Fp8DotScope::kKeys:
+              want =
+                  ", fp8 keys by VDPBF16PS for bf16 queries, values "
+                  "converted to fp32";
+              break;
+            default:
+              break;
+          }
+          const std::string report = (*fe)->Info().attention_kernel;
+          EXPECT_TRUE(absl::EndsWith(report, want))
+              << report << "; block " << bs << " head " << head << " kv " << kv;
+        }
+      }
     }
   }
 }
