@@ -376,7 +376,7 @@ std::string Describe(const AttentionParams& p, CacheLayout layout) {
   return std::string("kernel ") + KernelName(p.kernel) +
          (p.kernel == AttentionParams::Kernel::kAuto &&
                   BestLongRowRanges(DType::kBFloat16, CacheLayout::kVllm)
-              ? " (decode of rows of 4 MiB of K/V a KV head and more in "
+              ? " (decode of rows of 2 MiB of K/V a KV head and more in "
                 "1024-key ranges)"
               : "") +
          ", " + IsaName(p.isa) + " instruction set, " +

@@ -1202,9 +1202,9 @@ int64_t ClaimSize(int64_t n, int64_t kvh, int64_t threads) {
 
 // Run's long decode rows under kAuto (BestLongRowRanges): rows whose keys
 // (within the sliding window) hold at least kLongRowBytes of K/V a KV head
-// (8192 keys of a 16-bit cache at head size 128, 4096 of fp32), in ranges
+// (4096 keys of a 16-bit cache at head size 128, 2048 of fp32), in ranges
 // of kLongRowRange keys.
-constexpr int64_t kLongRowBytes = int64_t{4} << 20;
+constexpr int64_t kLongRowBytes = int64_t{2} << 20;
 constexpr int64_t kLongRowRange = 1024;
 
 // Whether rows of `keys` keys each, claimed in that order by `threads`
@@ -1316,7 +1316,12 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   // at 4096 and 8192 fp32 keys, 1.12-1.13x for 8-32 rows of 8k-16k keys
   // on two threads; at 4096 16-bit keys (2 MB a head) 0.98-1.02x, at 2048
   // fp32 keys 1.00x; ranges of 512 keys lost 2-4% to 1024
-  // (docs/attention.md, session 50).
+  // (docs/attention.md, session 50). Session 60 measured those again, call
+  // by call on the Intel Xeon model 207: the ranges took 0.960-0.997x the
+  // single pass's time at 4096 16-bit keys and 0.979-0.994x at 2048 fp32
+  // keys (batches 1-256, one and two threads), so the gate went from 4 MiB
+  // a KV head to 2 MiB; at 2048 16-bit keys (1 MiB) they took 0.995-1.007x,
+  // and the gate stays above that.
   bool long_rows = p.kernel == AttentionParams::Kernel::kAuto &&
                    max_tokens == 1 && !by_rows && a.LongRowRanges();
   // Long rows' claim order: the rows by their keys, longest first, on

@@ -53,7 +53,7 @@ struct AttentionParams {
   // twice its threads and its rows span several partitions; and, where
   // BestLongRowRanges (not on AMD), decode calls of per-KV-head items in
   // the vLLM layout (16-bit and fp32 caches, the AVX-512 build) whose rows
-  // of 4 MiB of K/V a KV head or more (at head 128: 8192 16-bit keys, 4096
+  // of 2 MiB of K/V a KV head or more (at head 128: 4096 16-bit keys, 2048
   // fp32; keys within the sliding window) hold at least half the call's
   // keys and, on more than one thread, whose rows balance as whole rows a
   // thread (or that are one row, whose ranges the threads then split): a

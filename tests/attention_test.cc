@@ -1966,13 +1966,13 @@ TEST(PagedAttention, Fp8DotScopeSaysWhatRuns) {
   }
 }
 
-// kAuto takes decode calls whose rows of 4 MiB of K/V a KV head or more
-// (head 128: 8192 keys of a 16-bit cache, 4096 of fp32; keys within the
+// kAuto takes decode calls whose rows of 2 MiB of K/V a KV head or more
+// (head 128: 4096 keys of a 16-bit cache, 2048 of fp32; keys within the
 // sliding window) hold at least half the call's keys in 1024-key ranges
 // where BestLongRowRanges says so (vLLM layout, 16-bit and fp32 caches,
 // the AVX-512 build), on two threads only where whole rows a thread
-// balance, longest first (two rows of equal length, or rows of 8200, 8200
-// and 16400 keys; not three equal ones, nor a long and a short one), or
+// balance, longest first (two rows of equal length, or rows of 4100, 4100
+// and 8200 keys; not three equal ones, nor a long and a short one), or
 // where the call is one row, split between the threads (with a window
 // too), and
 // nothing else: not with a kernel asked for, not for fp8
@@ -1996,31 +1996,31 @@ TEST(PagedAttention, LongDecodeRowsAutoInKeyRanges) {
   const auto kAuto = AttentionParams::Kernel::kAuto;
   const auto kVllm = CacheLayout::kVllm;
   const Call calls[] = {
-      {DType::kBFloat16, {8197, 100}, 1, kAuto, kVllm, 1, true},
-      {DType::kFloat16, {8197, 100}, 1, kAuto, kVllm, 1, true},
-      {DType::kFloat32, {4096, 4000}, 1, kAuto, kVllm, 1, true},
-      {DType::kFloat32, {4095, 100}, 1, kAuto, kVllm, 1, false},
-      {DType::kBFloat16, {8192, 8191, 100}, 1, kAuto, kVllm, 1, false},
-      {DType::kBFloat16, {8191, 100}, 1, kAuto, kVllm, 1, false},
-      {DType::kBFloat16, {12000, 100}, 1, kAuto, kVllm, 1, false, 8191},
-      {DType::kBFloat16, {8197, 100}, 2, kAuto, kVllm, 1, false},
-      {DType::kBFloat16, {8197, 8197}, 2, kAuto, kVllm, 1, true},
-      {DType::kFloat16, {12000, 12000}, 2, kAuto, kVllm, 1, true, 9000},
-      {DType::kBFloat16, {8197, 8197, 8197}, 2, kAuto, kVllm, 1, false},
-      {DType::kBFloat16, {8200, 8200, 16400}, 2, kAuto, kVllm, 1, true},
-      {DType::kBFloat16, {9000}, 2, kAuto, kVllm, 1, true},
-      {DType::kFloat32, {12000}, 2, kAuto, kVllm, 1, true, 7000},
-      {DType::kFloat32, {9000, 8192}, 1, kAuto, kVllm, 1, true, 5000},
+      {DType::kBFloat16, {4101, 100}, 1, kAuto, kVllm, 1, true},
+      {DType::kFloat16, {4101, 100}, 1, kAuto, kVllm, 1, true},
+      {DType::kFloat32, {2048, 2000}, 1, kAuto, kVllm, 1, true},
+      {DType::kFloat32, {2047, 100}, 1, kAuto, kVllm, 1, false},
+      {DType::kBFloat16, {4096, 4095, 100}, 1, kAuto, kVllm, 1, false},
+      {DType::kBFloat16, {4095, 100}, 1, kAuto, kVllm, 1, false},
+      {DType::kBFloat16, {6000, 100}, 1, kAuto, kVllm, 1, false, 4095},
+      {DType::kBFloat16, {4101, 100}, 2, kAuto, kVllm, 1, false},
+      {DType::kBFloat16, {4101, 4101}, 2, kAuto, kVllm, 1, true},
+      {DType::kFloat16, {6000, 6000}, 2, kAuto, kVllm, 1, true, 4500},
+      {DType::kBFloat16, {4101, 4101, 4101}, 2, kAuto, kVllm, 1, false},
+      {DType::kBFloat16, {4100, 4100, 8200}, 2, kAuto, kVllm, 1, true},
+      {DType::kBFloat16, {4500}, 2, kAuto, kVllm, 1, true},
+      {DType::kFloat32, {6000}, 2, kAuto, kVllm, 1, true, 3500},
+      {DType::kFloat32, {4500, 4096}, 1, kAuto, kVllm, 1, true, 2500},
       {DType::kBFloat16,
-       {8197, 100},
+       {4101, 100},
        1,
        AttentionParams::Kernel::kSinglePass,
        kVllm,
        1,
        false},
-      {DType::kFp8E4M3, {8197, 100}, 1, kAuto, kVllm, 1, false},
-      {DType::kBFloat16, {8197, 100}, 1, kAuto, CacheLayout::kNhd, 1, false},
-      {DType::kBFloat16, {8197, 100}, 1, kAuto, kVllm, 2, false},
+      {DType::kFp8E4M3, {4101, 100}, 1, kAuto, kVllm, 1, false},
+      {DType::kBFloat16, {4101, 100}, 1, kAuto, CacheLayout::kNhd, 1, false},
+      {DType::kBFloat16, {4101, 100}, 1, kAuto, kVllm, 2, false},
   };
   const int64_t bs = 16, KV = 2, H = 8, D = 128;
   ThreadPool pool(2);
