@@ -1318,10 +1318,11 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   // fp32 keys 1.00x; ranges of 512 keys lost 2-4% to 1024
   // (docs/attention.md, session 50). Session 60 measured those again, call
   // by call on the Intel Xeon model 207: the ranges took 0.960-0.997x the
-  // single pass's time at 4096 16-bit keys and 0.979-0.994x at 2048 fp32
-  // keys (batches 1-256, one and two threads), so the gate went from 4 MiB
-  // a KV head to 2 MiB; at 2048 16-bit keys (1 MiB) they took 0.995-1.007x,
-  // and the gate stays above that.
+  // single pass's time at 4096 16-bit keys (one short run of 8 pairs at a
+  // batch of 256: 1.012) and 0.979-0.994x at 2048 fp32 keys (batches
+  // 1-256, one and two threads), so the gate went from 4 MiB a KV head to
+  // 2 MiB; at 2048 16-bit keys (1 MiB) they took 0.995-1.007x, and the
+  // gate stays above that.
   bool long_rows = p.kernel == AttentionParams::Kernel::kAuto &&
                    max_tokens == 1 && !by_rows && a.LongRowRanges();
   // Long rows' claim order: the rows by their keys, longest first, on
