@@ -304,14 +304,15 @@ bool Fp8DotSupported();
 // lacks it (Fp8DotSupported).
 bool BestFp8Dot(CacheLayout layout, int64_t block_size);
 // What kAuto's fp8 VDPBF16PS passes cover in decode calls with a bf16
-// query over a cache of config c on this CPU (GetServerInfo's
-// attention_kernel reports it): kNone where c is not fp8, BestFp8Dot is
+// query over a cache of config c on this CPU, the other AttentionParams at
+// their defaults (nhd_rows on), as the server passes them (GetServerInfo's
+// attention_kernel reports this): kNone where c is not fp8, BestFp8Dot is
 // false, or c's shape has no such pass: in NHD head sizes that are not a
-// multiple of 64, or one KV head (its rows are read per KV head). NHD
-// rows take keys only, their values converted (AttentionParams::fp8_dot);
-// the vLLM layout both (its fp8 head sizes are multiples of 16).
-// Per call, an fp16 or fp32 query, and in NHD a layer flagged for Inf or
-// NaN, take the converting passes whatever this says.
+// multiple of 64, or one KV head (its rows are read per KV head). NHD rows
+// take keys only, their values converted (AttentionParams::fp8_dot); the
+// vLLM layout both (its fp8 head sizes are multiples of 16). Per call, an
+// fp16 or fp32 query, and in NHD a layer flagged for Inf or NaN, take the
+// converting passes whatever this says.
 enum class Fp8DotScope { kNone, kKeysAndValues, kKeys };
 Fp8DotScope BestFp8DotScope(const CacheConfig& c);
 // What kAuto multiplies bf16 keys with on this CPU (never kAuto): in
