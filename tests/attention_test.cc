@@ -377,6 +377,18 @@ AttentionRows DecodeRows(int64_t batch, int64_t keys, int64_t bs) {
   return rows;
 }
 
+// Layer 0's keys and values of an fp8 e4m3 cache as random finite bytes
+// (e4m3's NaN, 0x7f and 0xff, moved to its neighbour).
+void FillFiniteE4m3(KvCache& cache, std::mt19937_64& rng) {
+  for (const Tensor* t : {&cache.key(0), &cache.value(0)}) {
+    auto* b = static_cast<uint8_t*>(t->raw_data());
+    for (size_t i = 0; i < t->nbytes(); ++i) {
+      b[i] = static_cast<uint8_t>(rng());
+      if ((b[i] & 0x7f) == 0x7f) b[i] ^= 1;
+    }
+  }
+}
+
 // The slots of row r's seq_lens[r] positions, through its block table.
 std::vector<int64_t> RowSlots(const AttentionRows& rows, int64_t r,
                               int64_t bs) {
@@ -1875,13 +1887,7 @@ TEST(PagedAttention, Fp8DotAutoTakesThisCpusChoice) {
       const int64_t keys = 300, batch = 3, width = (keys + bs - 1) / bs;
       auto cache =
           SmallCache(DType::kFp8E4M3, width * batch, bs, 2, 64, 1, layout);
-      for (const Tensor* t : {&cache->key(0), &cache->value(0)}) {
-        auto* b = static_cast<uint8_t*>(t->raw_data());
-        for (size_t i = 0; i < t->nbytes(); ++i) {
-          b[i] = static_cast<uint8_t>(rng());
-          if ((b[i] & 0x7f) == 0x7f) b[i] ^= 1;  // e4m3's NaN: finite
-        }
-      }
+      FillFiniteE4m3(*cache, rng);
       AttentionRows rows = DecodeRows(batch, keys, bs);
       std::shuffle(rows.block_tables.begin(), rows.block_tables.end(), rng);
       std::vector<float> qraw(batch * 8 * 64);
@@ -1931,13 +1937,7 @@ TEST(PagedAttention, Fp8DotScopeSaysWhatRuns) {
           const int64_t keys = 100, batch = 2, width = (keys + bs - 1) / bs;
           auto cache = SmallCache(DType::kFp8E4M3, width * batch, bs, kv, head,
                                   1, layout);
-          for (const Tensor* t : {&cache->key(0), &cache->value(0)}) {
-            auto* b = static_cast<uint8_t*>(t->raw_data());
-            for (size_t i = 0; i < t->nbytes(); ++i) {
-              b[i] = static_cast<uint8_t>(rng());
-              if ((b[i] & 0x7f) == 0x7f) b[i] ^= 1;  // e4m3's NaN: finite
-            }
-          }
+          FillFiniteE4m3(*cache, rng);
           const Fp8DotScope scope = BestFp8DotScope(cache->config());
           EXPECT_EQ(scope != Fp8DotScope::kNone,
                     BestFp8Dot(layout, bs) && (layout == CacheLayout::kVllm ||
