@@ -1064,6 +1064,12 @@ KVSTEP_AMX_TARGET void Values(const Tile16* tiles, int64_t ntiles, int64_t bs,
 
 }  // namespace amx
 
+// The head-size step of the NHD layout's rows over every KV head for fp8
+// caches (Attender::RowTokens; other dtypes: 16): the step of their fp8
+// key tiles, which take the keys by VDPBF16PS (NhdFp8Dot). BestFp8DotScope
+// reads it too, so that what GetServerInfo reports follows the kernel.
+constexpr int64_t kNhdFp8RowHeadStep = 64;
+
 // The fp8 VDPBF16PS passes (LogitsFp8Dot, ValuesFp8Dot) add AVX512-VBMI
 // (VPERMI2B) to the AVX-512 build's features, in their own functions only:
 // those run where Fp8DotUsable, and the rest of the build also on CPUs
@@ -1716,10 +1722,12 @@ Fp8DotScope BestFp8DotScope(const CacheConfig& c) {
   // The shapes the passes take: Attender's LogitsFp8Dot and ValuesFp8Dot
   // in the vLLM layout (head sizes in steps of 16, which every fp8 cache
   // of that layout has: CacheConfig's x), RowTokens and NhdFp8Dot in NHD
-  // (rows over every KV head).
+  // (rows over every KV head, at kNhdFp8RowHeadStep; a cache of one KV
+  // head is read per KV head: Attender::PartialHeads hands it to Partial).
   if (c.layout == CacheLayout::kVllm) return Fp8DotScope::kKeysAndValues;
-  return c.head_size % 64 == 0 && c.num_kv_heads >= 2 ? Fp8DotScope::kKeys
-                                                      : Fp8DotScope::kNone;
+  return c.head_size % kNhdFp8RowHeadStep == 0 && c.num_kv_heads >= 2
+             ? Fp8DotScope::kKeys
+             : Fp8DotScope::kNone;
 }
 
 const char* IsaName(AttentionParams::Isa isa) {
