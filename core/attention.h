@@ -327,7 +327,10 @@ bool BestVllmRows(DType cache, int64_t block_size);
 // KV head's range before the next, on this CPU for a cache of
 // dtype `cache` in `layout` (see AttentionParams::kernel): the vLLM
 // layout, 16-bit and fp32 caches, where the best build is AVX-512; not on
-// AMD, where it was not measured.
+// AMD: on the Zen 5 of session 61 the ranges (which need per-KV-head
+// items) took 1.01-1.06x the time of the rows over every KV head for
+// 16-bit caches on one thread (4k-8k keys, batches 1-64) and 1.00-1.05x
+// on two, 1.09-1.11x for fp32 on both (docs/attention.md).
 bool BestLongRowRanges(DType cache, CacheLayout layout);
 
 struct AttentionRows {
