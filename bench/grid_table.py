@@ -27,6 +27,12 @@ median "of read" of the (cell, run) pairs whose read was in the lowest
 quarter against the rest's. On this VM a neighbour that loads the
 memory slows the one-thread kernel more than the read (session 58).
 
+The bench's first line names the CPU ("cpu: ..."); the table starts
+with it. Runs of different CPUs are not pooled (their figures differ by
+far: sessions 47-60 ran on Intel Xeons, 61 on an AMD Zen 5) unless
+--mixed_cpus says so; a file from before the bench printed its CPU
+counts as not recorded and pools with any.
+
 A case whose best read pass is under half the median read of its thread
 count (in its own run) was disturbed (a neighbour on this shared VM held
 the core for the whole case): the read and the calls are both slow, so its
@@ -54,14 +60,19 @@ def case_key(fields):
 
 
 def parse(path, min_context):
-    """Returns {(dtype, threads, batch, context): (of, median, read)}."""
+    """Returns ({(dtype, threads, batch, context): (of, median, read)},
+    the CPU the bench named, or None)."""
     cells = {}
+    cpu = None
     try:
         f = open(path)
     except OSError as e:
         sys.exit(f"{path}: {e.strerror}")
     with f:
         for line in f:
+            if line.startswith("cpu: ") and cpu is None:
+                cpu = line[len("cpu: "):].strip()
+                continue
             fields = line.split()
             # dtype context batch threads us/call best mean best read of median
             key = case_key(fields) if len(fields) >= 11 else None
@@ -77,7 +88,7 @@ def parse(path, min_context):
             except ValueError:
                 continue
             cells[(fields[0], threads, batch, ctx)] = (of, median, read)
-    return cells
+    return cells, cpu
 
 
 def half_up(x):
@@ -178,14 +189,32 @@ def main():
     ap.add_argument("grid", nargs="+", help="attention_bench output(s)")
     ap.add_argument("--min_context", type=int, default=1024)
     ap.add_argument("--goal", type=int, default=80)
+    ap.add_argument("--mixed_cpus", action="store_true",
+                    help="pool runs whose bench named different CPUs")
     args = ap.parse_args()
 
     runs = []
+    cpus = {}  # CPU -> the files that named it
+    unrecorded = 0
     for path in args.grid:
-        cells = parse(path, args.min_context)
+        cells, cpu = parse(path, args.min_context)
         if not cells:
             sys.exit(f"{path}: no grid rows from context {args.min_context}")
         runs.append(cells)
+        if cpu is None:
+            unrecorded += 1
+        else:
+            cpus.setdefault(cpu, []).append(path)
+    if len(cpus) > 1 and not args.mixed_cpus:
+        named = "; ".join(f"{c}: {', '.join(p)}" for c, p in cpus.items())
+        sys.exit(f"runs of different CPUs ({named}); --mixed_cpus pools "
+                 "them anyway")
+    if cpus:
+        text = "CPU" + ("s: " if len(cpus) > 1 else ": ") + "; ".join(cpus)
+        if unrecorded:
+            text += f" (not recorded in {unrecorded} of {len(runs)} runs)"
+        print(text)
+        print()
     disturbed_in = disturbed_sets(runs)
     cells = combine(runs, disturbed_in)
     several = len(runs) > 1

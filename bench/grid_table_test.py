@@ -27,9 +27,11 @@ class GridTableTest(unittest.TestCase):
     def tearDown(self):
         self.dir.cleanup()
 
-    def write(self, name, rows):
+    def write(self, name, rows, cpu=None):
         path = os.path.join(self.dir.name, name)
         with open(path, "w") as f:
+            if cpu is not None:
+                f.write(f"cpu: {cpu}\n")
             f.write("# a comment line\n" + HEADER + "".join(rows))
         return path
 
@@ -137,6 +139,26 @@ class GridTableTest(unittest.TestCase):
         self.assertEqual(self.cell(out, "fp32, 1", 16, 2), "30% / 30% *")
         self.assertIn("batches 16+ 82% (0 of 2 under 80%; 1 disturbed, left out)",
                       out)
+
+    def test_cpus(self):
+        rows = [row("bfloat16", 1024, 16, 1, 80, 80, 40.0)]
+        zen = "AMD EPYC (AuthenticAMD family 26 model 2), 2 CPUs"
+        xeon = "Intel Xeon (GenuineIntel family 6 model 207), 2 CPUs"
+        a = self.write("a.txt", rows, zen)
+        b = self.write("b.txt", rows, zen)
+        old = self.write("old.txt", rows)  # from before the cpu line
+        other = self.write("x.txt", rows, xeon)
+        self.assertTrue(self.run_table(a).startswith(f"CPU: {zen}\n"))
+        self.assertTrue(self.run_table(a, b).startswith(f"CPU: {zen}\n"))
+        self.assertIn(f"CPU: {zen} (not recorded in 1 of 2 runs)",
+                      self.run_table(a, old))
+        self.assertNotIn("CPU", self.run_table(old))
+        done = self.run_script(a, other)
+        self.assertNotEqual(done.returncode, 0)
+        self.assertIn("runs of different CPUs", done.stderr)
+        self.assertIn(xeon, done.stderr)
+        self.assertIn(f"CPUs: {zen}; {xeon}",
+                      self.run_table(a, other, "--mixed_cpus"))
 
     def test_no_rows(self):
         path = self.write("empty.txt", [])
