@@ -658,52 +658,17 @@ bool HasClflushopt() {
 }
 #endif
 
-// "cpu: <brand> (<vendor> family F model M), N CPUs": the output's first
-// line, so that a grid says which machine it measured (these sessions'
-// VMs have moved between an AMD Zen 5 and Intel Xeons, whose figures
-// differ by far) and grid_table.py can refuse to pool runs of two CPUs.
+// "cpu: <brand> (<vendor> family F model M), N CPUs" (ThisCpu): the
+// output's first line, so that a grid says which machine it measured
+// (these sessions' VMs have moved between an AMD Zen 5 and Intel Xeons,
+// whose figures differ by far) and grid_table.py can refuse to pool runs
+// of two CPUs.
 std::string CpuLine() {
-  std::string vendor = "unknown", brand;
-  unsigned family = 0, model = 0;
-#if defined(__x86_64__)
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) != 0) {
-    char v[13] = {};
-    std::memcpy(v, &ebx, 4);
-    std::memcpy(v + 4, &edx, 4);
-    std::memcpy(v + 8, &ecx, 4);
-    vendor = v;
-  }
-  if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0) {
-    // The displayed family and model (CPUID's extended fields added where
-    // the base family is 15, and for the model also where it is 6).
-    const unsigned base_family = (eax >> 8) & 0xf;
-    family =
-        base_family == 15 ? base_family + ((eax >> 20) & 0xff) : base_family;
-    model = (eax >> 4) & 0xf;
-    if (base_family == 6 || base_family == 15) model |= (eax >> 12) & 0xf0;
-  }
-  unsigned top = 0;
-  if (__get_cpuid(0x80000000, &top, &ebx, &ecx, &edx) != 0 &&
-      top >= 0x80000004) {
-    char b[49] = {};
-    for (size_t i = 0; i < 3; ++i) {
-      unsigned r[4] = {};
-      __get_cpuid(0x80000002u + static_cast<unsigned>(i), &r[0], &r[1], &r[2],
-                  &r[3]);
-      std::memcpy(b + 16 * i, r, 16);
-    }
-    brand = b;
-    const size_t first = brand.find_first_not_of(' ');
-    const size_t last = brand.find_last_not_of(' ');
-    brand =
-        first == std::string::npos ? "" : brand.substr(first, last - first + 1);
-  }
-#endif
-  if (brand.empty()) brand = "unknown";
-  return "cpu: " + brand + " (" + vendor + " family " + std::to_string(family) +
-         " model " + std::to_string(model) + "), " +
-         std::to_string(std::thread::hardware_concurrency()) + " CPUs";
+  const CpuIdentity& cpu = ThisCpu();
+  return "cpu: " + (cpu.brand.empty() ? "unknown" : cpu.brand) + " (" +
+         (cpu.vendor.empty() ? "unknown" : cpu.vendor) + " family " +
+         std::to_string(cpu.family) + " model " + std::to_string(cpu.model) +
+         "), " + std::to_string(std::thread::hardware_concurrency()) + " CPUs";
 }
 
 // Sends a case's K/V out of the caches. By default every line of its

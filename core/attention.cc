@@ -355,46 +355,61 @@ std::atomic<int64_t> vllm_row_passes{0};
 // tests: internal::LongRowRangeCalls.
 std::atomic<int64_t> long_row_range_calls{0};
 
+// ThisCpu's one reading of CPUID (attention.h).
+CpuIdentity ReadCpuIdentity() {
+  CpuIdentity id;
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) != 0) {
+    char vendor[13] = {};
+    std::memcpy(vendor, &ebx, 4);
+    std::memcpy(vendor + 4, &edx, 4);
+    std::memcpy(vendor + 8, &ecx, 4);
+    id.vendor = vendor;
+  }
+  if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0) {
+    const unsigned base_family = (eax >> 8) & 0xf;
+    id.family =
+        base_family == 15 ? base_family + ((eax >> 20) & 0xff) : base_family;
+    id.model = (eax >> 4) & 0xf;
+    if (base_family == 6 || base_family == 15) id.model |= (eax >> 12) & 0xf0;
+  }
+  unsigned top = 0;
+  if (__get_cpuid(0x80000000u, &top, &ebx, &ecx, &edx) != 0 &&
+      top >= 0x80000004u) {
+    char brand[49] = {};
+    for (unsigned i = 0; i < 3; ++i) {
+      unsigned r[4] = {};
+      __get_cpuid(0x80000002u + i, &r[0], &r[1], &r[2], &r[3]);
+      std::memcpy(brand + size_t{16} * i, r, sizeof(r));
+    }
+    const std::string b = brand;
+    const size_t first = b.find_first_not_of(' ');
+    if (first != std::string::npos) {
+      id.brand = b.substr(first, b.find_last_not_of(' ') - first + 1);
+    }
+  }
+#endif
+  return id;
+}
+
 // Whether this CPU's vendor is AMD (or Hygon, whose cores are AMD's Zen):
 // the kernel's choices that were measured to differ by CPU (the prefetch
 // hint and the slice touch; see AttentionParams) take the Zen 5 ones
 // there.
 bool AmdVendor() {
-#if defined(__x86_64__) || defined(__i386__)
-  static const bool amd = [] {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return false;
-    char vendor[13] = {};
-    std::memcpy(vendor, &ebx, 4);
-    std::memcpy(vendor + 4, &edx, 4);
-    std::memcpy(vendor + 8, &ecx, 4);
-    return std::strcmp(vendor, "AuthenticAMD") == 0 ||
-           std::strcmp(vendor, "HygonGenuine") == 0;
-  }();
+  static const bool amd =
+      ThisCpu().vendor == "AuthenticAMD" || ThisCpu().vendor == "HygonGenuine";
   return amd;
-#else
-  return false;
-#endif
 }
 
 // Whether CPUID reports an Intel family 6 model 207 (0xCF, Emerald
 // Rapids), as the KVM guest of sessions 51 and 52 does; the Xeon guest
 // of sessions 8 and 47-50 reported model 167.
 bool IntelModel207() {
-#if defined(__x86_64__) || defined(__i386__)
-  static const bool is = [] {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (AmdVendor() || __get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) {
-      return false;
-    }
-    const unsigned family = (eax >> 8) & 0xf;
-    const unsigned model = ((eax >> 12) & 0xf0) | ((eax >> 4) & 0xf);
-    return family == 6 && model == 207;
-  }();
+  static const bool is =
+      !AmdVendor() && ThisCpu().family == 6 && ThisCpu().model == 207;
   return is;
-#else
-  return false;
-#endif
 }
 
 // How a call over a `cache`-typed cache in `layout` prefetches K/V: kAuto
@@ -1695,6 +1710,11 @@ absl::Status ReshapeAndCache(const KvCache& cache, int64_t layer,
     }
   });
   return absl::OkStatus();
+}
+
+const CpuIdentity& ThisCpu() {
+  static const CpuIdentity id = ReadCpuIdentity();
+  return id;
 }
 
 bool IsaSupported(AttentionParams::Isa isa) {

@@ -32,6 +32,7 @@
 #define KVSTEP_CORE_ATTENTION_H_
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -283,6 +284,18 @@ struct AttentionParams {
   bool prefetch_l2 = true;
 };
 
+// This CPU as CPUID names it, read once: the vendor string
+// ("AuthenticAMD", "GenuineIntel"; empty off x86), the displayed family
+// and model (the extended fields added as CPUID defines them), and the
+// brand string (empty where CPUID has none). The kernel's per-CPU choices
+// key on the vendor and model; attention_bench prints it all.
+struct CpuIdentity {
+  std::string vendor;
+  std::string brand;
+  unsigned family = 0;
+  unsigned model = 0;
+};
+const CpuIdentity& ThisCpu();
 // Whether this CPU runs `isa` (kBest and kPortable: always), its name, and
 // what kBest runs here.
 bool IsaSupported(AttentionParams::Isa isa);

@@ -1925,6 +1925,20 @@ TEST(PagedAttention, Fp8DotAutoTakesThisCpusChoice) {
 // multiples of 64 only), one and two KV heads (NHD rows need two). A
 // decode batch of 2 rows of 100 random finite e4m3 keys, 4 query heads a
 // KV head; an fp16 query never runs them.
+// ThisCpu reads CPUID once for the kernel's per-CPU choices and the
+// bench's cpu line: on x86 a vendor and a family, and the vendor the
+// choices key on (AmdOrHygonCpu) is the one it names.
+TEST(PagedAttention, ThisCpuNamesTheVendorTheChoicesKeyOn) {
+  const CpuIdentity& cpu = ThisCpu();
+#if defined(__x86_64__)
+  EXPECT_EQ(cpu.vendor.size(), 12u) << cpu.vendor;
+  EXPECT_GT(cpu.family, 0u);
+#endif
+  EXPECT_EQ(internal::AmdOrHygonCpu(),
+            cpu.vendor == "AuthenticAMD" || cpu.vendor == "HygonGenuine");
+  EXPECT_EQ(&cpu, &ThisCpu());
+}
+
 TEST(PagedAttention, Fp8DotScopeSaysWhatRuns) {
   std::mt19937_64 rng(60);
   for (CacheLayout layout : {CacheLayout::kVllm, CacheLayout::kNhd}) {
