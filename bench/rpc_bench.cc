@@ -19,12 +19,26 @@
 // passed to the in-process server; -1 its default): runs with the poll and
 // without show what a polling worker costs the control path. The cache
 // then has that geometry for every series (64 KB a block).
+//
+// --prefill_tokens=N (N > 0) then times a prefill PagedAttention call of N
+// tokens as the demo sends one: one row attending over its own N tokens,
+// float32 query [N, 32, 128], key and value [N, 8, 128], explicit mode, the
+// step's K/V written into N slots of the pool, out [N, 32, 128] back: 24 MB
+// of request and 16 MB of response at the demo's 975 tokens. Its baseline
+// is the same call made on the in-process server's Engine directly, from
+// tensors built once (the kernel, ReshapeAndCache and the engine's own
+// work, with no RPC), alternated with the RPC call --prefill_rounds times:
+// "rpc/engine" is what the RPC's bytes cost on top of the work. Needs the
+// in-process server (no --target).
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <functional>
+#include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -42,6 +56,12 @@ ABSL_FLAG(int64_t, attention_context, 0,
           "none; else a multiple of 16, at least 1024)");
 ABSL_FLAG(int64_t, attention_idle_poll_us, -1,
           "the in-process server's --attention_idle_poll_us");
+ABSL_FLAG(int64_t, prefill_tokens, 0,
+          "tokens of a prefill PagedAttention call timed against the engine "
+          "called directly (0: none)");
+ABSL_FLAG(int, prefill_rounds, 20, "calls of each prefill kind");
+ABSL_FLAG(bool, keep_freed_memory, true,
+          "KeepFreedMemory() first, as kvstep-server does by default");
 
 namespace {
 
@@ -54,6 +74,111 @@ struct Series {
 double Quantile(std::vector<double> v, double q) {
   std::sort(v.begin(), v.end());
   return v[static_cast<size_t>(q * (v.size() - 1))];
+}
+
+// float32 [n, heads, 128] of values in [-1, 1), as proto and as tensor.
+std::pair<kvstep::v1::Tensor, kvstep::Tensor> Activations(std::mt19937_64& rng,
+                                                          int64_t n,
+                                                          int64_t heads) {
+  std::uniform_real_distribution<float> uni(-1, 1);
+  std::vector<float> v(static_cast<size_t>(n * heads * 128));
+  for (float& x : v) x = uni(rng);
+  kvstep::v1::Tensor p;
+  p.set_dtype(kvstep::v1::DTYPE_FLOAT32);
+  for (const int64_t d : {n, heads, int64_t{128}}) p.add_shape(d);
+  p.set_data(std::string(reinterpret_cast<const char*>(v.data()),
+                         v.size() * sizeof(float)));
+  return {p, kvstep::Tensor::FromValues<float>({n, heads, 128}, v)};
+}
+
+// The --prefill_tokens series (see the top of this file): the RPC call and
+// the engine's, alternated; 0 on success.
+int PrefillSeries(kvstep::Server& server, kvstep::Client& client, int64_t n,
+                  int64_t pool_blocks, int rounds) {
+  std::mt19937_64 rng(7);
+  const int64_t nb = (n + 15) / 16;
+  std::vector<int64_t> table, slots, starts = {0, n};
+  for (int64_t i = 0; i < nb; ++i) table.push_back(pool_blocks - nb + i);
+  for (int64_t t = 0; t < n; ++t) slots.push_back(table[t / 16] * 16 + t % 16);
+  auto [query, query_t] = Activations(rng, n, 32);
+  auto [key, key_t] = Activations(rng, n, 8);
+  auto [value, value_t] = Activations(rng, n, 8);
+  kvstep::v1::PagedAttentionRequest req;
+  *req.mutable_query() = query;
+  *req.mutable_key() = key;
+  *req.mutable_value() = value;
+  *req.mutable_block_tables() = kvstep::MakeIndexTensor(table, {1, nb});
+  *req.mutable_seq_lens() = kvstep::MakeIndexTensor({n}, {1});
+  *req.mutable_slot_mapping() = kvstep::MakeIndexTensor(slots, {n});
+  *req.mutable_query_start_loc() = kvstep::MakeIndexTensor(starts, {2});
+  kvstep::AttentionRequest direct;
+  direct.query = query_t;
+  direct.key = key_t;
+  direct.value = value_t;
+  kvstep::AttentionRows rows;
+  rows.query_start = starts;
+  rows.seq_lens = {n};
+  rows.block_tables = table;
+  rows.width = nb;
+  rows.num_real = 1;
+  std::vector<double> rpc_us, engine_us;
+  std::vector<float> via_rpc;
+  kvstep::Tensor via_engine;
+  for (int r = 0; r < rounds; ++r) {
+    absl::Time t = absl::Now();
+    absl::StatusOr<kvstep::v1::PagedAttentionResponse> resp =
+        client.PagedAttention(req);
+    rpc_us.push_back(absl::ToDoubleMicroseconds(absl::Now() - t));
+    if (!resp.ok()) {
+      std::fprintf(stderr, "PagedAttention: %s\n",
+                   resp.status().ToString().c_str());
+      return 1;
+    }
+    t = absl::Now();
+    absl::StatusOr<kvstep::Tensor> out =
+        server.engine()->PagedAttentionExplicit(direct, rows, slots);
+    engine_us.push_back(absl::ToDoubleMicroseconds(absl::Now() - t));
+    if (!out.ok()) {
+      std::fprintf(stderr, "Engine::PagedAttentionExplicit: %s\n",
+                   out.status().ToString().c_str());
+      return 1;
+    }
+    if (r == 0) {
+      via_rpc.resize(static_cast<size_t>(n * 32 * 128));
+      if (resp->out().data().size() != via_rpc.size() * sizeof(float)) {
+        std::fprintf(stderr, "PagedAttention: out has %zu bytes\n",
+                     resp->out().data().size());
+        return 1;
+      }
+      std::memcpy(via_rpc.data(), resp->out().data().data(),
+                  resp->out().data().size());
+      via_engine = *std::move(out);
+    }
+  }
+  // Both paths run the same kernel on the same inputs: a difference would
+  // mean the RPC path mangled its bytes.
+  if (std::memcmp(via_rpc.data(), via_engine.raw_data(), via_engine.nbytes()) !=
+      0) {
+    std::fprintf(stderr, "the RPC's out differs from the engine's\n");
+    return 1;
+  }
+  const double mb =
+      static_cast<double>(req.ByteSizeLong() + via_engine.nbytes()) / 1e6;
+  const double rpc = Quantile(rpc_us, 0.5), engine = Quantile(engine_us, 0.5);
+  std::printf(
+      "\nprefill PagedAttention, %lld tokens (float32 activations, %.1f MB "
+      "of request and response)\n",
+      static_cast<long long>(n), mb);
+  std::printf("%-44s %9s %9s %9s\n", "call", "p50 us", "p90 us", "p50/engine");
+  std::printf("%-44s %9.1f %9.1f %9.2f\n", "Engine::PagedAttentionExplicit",
+              engine, Quantile(engine_us, 0.9), 1.0);
+  std::printf("%-44s %9.1f %9.1f %9.2f\n", "PagedAttention RPC", rpc,
+              Quantile(rpc_us, 0.9), rpc / engine);
+  std::printf(
+      "(%d alternated rounds; the RPC's bytes cost %.1f ms, %.2f GB/s "
+      "of payload)\n",
+      rounds, (rpc - engine) / 1e3, mb / 1e3 / ((rpc - engine) / 1e6));
+  return 0;
 }
 
 }  // namespace
@@ -70,22 +195,36 @@ int main(int argc, char** argv) {
                  "least 1024\n");
     return 2;
   }
+  const int64_t prefill = absl::GetFlag(FLAGS_prefill_tokens);
+  const int prefill_rounds = absl::GetFlag(FLAGS_prefill_rounds);
+  if (prefill < 0 || prefill_rounds < 1 ||
+      (prefill > 0 && !absl::GetFlag(FLAGS_target).empty())) {
+    std::fprintf(stderr,
+                 "--prefill_tokens must be >= 0 and needs the in-process "
+                 "server (no --target); --prefill_rounds >= 1\n");
+    return 2;
+  }
   // Enough blocks for every row to advance once per round, and the
   // attention call's blocks after them.
   const int64_t control_blocks =
       (int64_t{rows} + 1) * ((int64_t{rounds} * 2 + 32) / 16 + 1);
-  const int64_t pool_blocks = control_blocks + attn_ctx / 16;
+  const int64_t prefill_blocks = (prefill + 15) / 16;
+  const int64_t pool_blocks = control_blocks + attn_ctx / 16 + prefill_blocks;
+  const bool attention = attn_ctx > 0 || prefill > 0;
   std::unique_ptr<kvstep::Server> server;
   if (target.empty()) {
+    // As kvstep-server does by default (--keep_freed_memory); this process
+    // is the client too.
+    if (absl::GetFlag(FLAGS_keep_freed_memory)) kvstep::KeepFreedMemory();
     kvstep::ServerOptions o;
     o.listen = absl::StrCat("unix:/tmp/kvstep-rpc-bench-", getpid(), ".sock");
     // A small geometry unless attention is timed, since this measures
     // control RPCs, not the pool.
     o.engine.cache.num_blocks = pool_blocks;
     o.engine.cache.num_layers = 1;
-    o.engine.cache.num_kv_heads = attn_ctx > 0 ? 8 : 1;
-    o.engine.cache.head_size = attn_ctx > 0 ? 128 : 8;
-    if (attn_ctx > 0) o.engine.cache.dtype = kvstep::DType::kBFloat16;
+    o.engine.cache.num_kv_heads = attention ? 8 : 1;
+    o.engine.cache.head_size = attention ? 128 : 8;
+    if (attention) o.engine.cache.dtype = kvstep::DType::kBFloat16;
     o.engine.attention_idle_poll_us =
         absl::GetFlag(FLAGS_attention_idle_poll_us);
     auto s = kvstep::Server::Start(o);
@@ -189,5 +328,8 @@ int main(int argc, char** argv) {
                 Quantile(s.us, 0.5) / ping);
   }
   std::printf("(%d interleaved rounds, target %s)\n", rounds, target.c_str());
+  if (prefill > 0)
+    return PrefillSeries(*server, *client, prefill, pool_blocks,
+                         prefill_rounds);
   return 0;
 }

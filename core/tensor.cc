@@ -1,5 +1,9 @@
 #include "core/tensor.h"
 
+#include <cstdint>
+#include <memory>
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -45,12 +49,14 @@ absl::StatusOr<Tensor> Tensor::Zeros(Device* device, DType dtype, Shape shape) {
   return Tensor(*std::move(storage), dtype, std::move(shape), *n);
 }
 
-absl::StatusOr<Tensor> Tensor::FromHostBytes(Device* device, DType dtype,
-                                             Shape shape, const void* bytes,
-                                             size_t num_bytes) {
+namespace {
+
+// Whether num_bytes are exactly what `shape` of `dtype` holds; the error
+// otherwise (FromHostBytes, WrapHostBytes).
+absl::Status CheckHostBytes(DType dtype, absl::Span<const int64_t> shape,
+                            size_t num_bytes, int64_t* numel) {
   absl::StatusOr<int64_t> n = NumElements(shape, "tensor");
   if (!n.ok()) return n.status();
-  // Checked before allocating so a lying shape cannot make us allocate.
   if (DTypeSize(dtype) == 0 ||
       static_cast<size_t>(*n) != num_bytes / DTypeSize(dtype) ||
       num_bytes % DTypeSize(dtype) != 0) {
@@ -59,6 +65,42 @@ absl::StatusOr<Tensor> Tensor::FromHostBytes(Device* device, DType dtype,
         ShapeToString(shape),
         DTypeSize(dtype) == 0 ? 0 : *n * static_cast<int64_t>(DTypeSize(dtype)),
         num_bytes));
+  }
+  *numel = *n;
+  return absl::OkStatus();
+}
+
+// Memory a WrapHostBytes tensor borrows: never freed here.
+class BorrowedAllocation final : public Allocation {
+ public:
+  using Allocation::Allocation;
+};
+
+}  // namespace
+
+absl::StatusOr<Tensor> Tensor::WrapHostBytes(DType dtype, Shape shape,
+                                             void* bytes, size_t num_bytes) {
+  int64_t n = 0;
+  if (absl::Status s = CheckHostBytes(dtype, shape, num_bytes, &n); !s.ok()) {
+    return s;
+  }
+  if (reinterpret_cast<uintptr_t>(bytes) % DTypeSize(dtype) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("tensor: %s bytes at %p are not aligned to %d",
+                        DTypeName(dtype), bytes, DTypeSize(dtype)));
+  }
+  return Tensor(
+      std::make_shared<BorrowedAllocation>(CpuDevice(), bytes, num_bytes),
+      dtype, std::move(shape), n);
+}
+
+absl::StatusOr<Tensor> Tensor::FromHostBytes(Device* device, DType dtype,
+                                             Shape shape, const void* bytes,
+                                             size_t num_bytes) {
+  // Checked before allocating so a lying shape cannot make us allocate.
+  int64_t n = 0;
+  if (absl::Status s = CheckHostBytes(dtype, shape, num_bytes, &n); !s.ok()) {
+    return s;
   }
   absl::StatusOr<Tensor> t = Zeros(device, dtype, std::move(shape));
   if (!t.ok()) return t.status();

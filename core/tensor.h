@@ -45,6 +45,15 @@ class Tensor {
   static absl::StatusOr<Tensor> FromHostBytes(Device* device, DType dtype,
                                               Shape shape, const void* bytes,
                                               size_t num_bytes);
+  // A CPU tensor over `bytes` themselves, not a copy: the service's
+  // zero-copy path for request tensors and response buffers (each copy of
+  // a prefill's activations costs a pass over tens of MB, in fresh pages at
+  // a tenth of warm memory's speed). The caller keeps the bytes alive, and
+  // decides who writes them, for as long as the tensor or any copy of it
+  // lives. INVALID_ARGUMENT as FromHostBytes for a size that does not match
+  // the shape, and for bytes not aligned to the element size.
+  static absl::StatusOr<Tensor> WrapHostBytes(DType dtype, Shape shape,
+                                              void* bytes, size_t num_bytes);
   // A 1-d or n-d tensor of T on the CPU device (for tests and tools).
   template <typename T>
   static Tensor FromValues(const Shape& shape, absl::Span<const T> values);

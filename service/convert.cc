@@ -1,5 +1,6 @@
 #include "service/convert.h"
 
+#include <cstdint>
 #include <string>
 
 #include "absl/strings/numbers.h"
@@ -22,8 +23,11 @@ DType DTypeFromProto(v1::DType dtype) {
 
 v1::DType DTypeToProto(DType dtype) { return static_cast<v1::DType>(dtype); }
 
-absl::StatusOr<Tensor> TensorFromProto(const v1::Tensor& proto, bool present,
-                                       absl::string_view field) {
+namespace {
+
+// TensorFromProto (view false) and TensorViewOfProto (true).
+absl::StatusOr<Tensor> DecodeTensor(const v1::Tensor& proto, bool present,
+                                    absl::string_view field, bool view) {
   if (!present) return Tensor();
   const DType dtype = DTypeFromProto(proto.dtype());
   if (dtype == DType::kInvalid) {
@@ -36,14 +40,32 @@ absl::StatusOr<Tensor> TensorFromProto(const v1::Tensor& proto, bool present,
         absl::StrCat(field, ": rank ", proto.shape_size(), " is above 8"));
   }
   Shape shape(proto.shape().begin(), proto.shape().end());
+  const std::string& bytes = proto.data();
+  // A view writes nothing through its pointer (TensorViewOfProto's
+  // contract), so the proto's const bytes may back it.
   absl::StatusOr<Tensor> t =
-      Tensor::FromHostBytes(CpuDevice(), dtype, std::move(shape),
-                            proto.data().data(), proto.data().size());
+      view && reinterpret_cast<uintptr_t>(bytes.data()) % DTypeSize(dtype) == 0
+          ? Tensor::WrapHostBytes(dtype, std::move(shape),
+                                  const_cast<char*>(bytes.data()), bytes.size())
+          : Tensor::FromHostBytes(CpuDevice(), dtype, std::move(shape),
+                                  bytes.data(), bytes.size());
   if (!t.ok()) {
     return absl::Status(t.status().code(),
                         absl::StrCat(field, ": ", t.status().message()));
   }
   return t;
+}
+
+}  // namespace
+
+absl::StatusOr<Tensor> TensorFromProto(const v1::Tensor& proto, bool present,
+                                       absl::string_view field) {
+  return DecodeTensor(proto, present, field, /*view=*/false);
+}
+
+absl::StatusOr<Tensor> TensorViewOfProto(const v1::Tensor& proto, bool present,
+                                         absl::string_view field) {
+  return DecodeTensor(proto, present, field, /*view=*/true);
 }
 
 void TensorToProto(const Tensor& tensor, v1::Tensor* proto) {

@@ -25,6 +25,12 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 // on the CPU device, or INVALID_ARGUMENT naming `field`.
 absl::StatusOr<Tensor> TensorFromProto(const v1::Tensor& proto, bool present,
                                        absl::string_view field);
+// As TensorFromProto, but over the proto's bytes where they are aligned to
+// the element size (Tensor::WrapHostBytes; a copy where not): the proto
+// must outlive the tensor and every copy of it, and nothing may write
+// through it. For a request's bulk tensors, read within the call.
+absl::StatusOr<Tensor> TensorViewOfProto(const v1::Tensor& proto, bool present,
+                                         absl::string_view field);
 void TensorToProto(const Tensor& tensor, v1::Tensor* proto);
 
 DType DTypeFromProto(v1::DType dtype);  // kInvalid when out of range

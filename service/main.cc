@@ -77,6 +77,9 @@ ABSL_FLAG(absl::Duration, session_ttl, absl::Seconds(30),
 ABSL_FLAG(absl::Duration, max_session_ttl, absl::Hours(24),
           "longest TTL a session may ask for");
 ABSL_FLAG(int64_t, max_sessions, 1024, "open sessions");
+ABSL_FLAG(bool, keep_freed_memory, true,
+          "keep freed heap memory for reuse (glibc malloc: no fresh pages "
+          "for each large message's buffers; see KeepFreedMemory)");
 ABSL_FLAG(std::string, log_level, "info", "error, warning, info or debug");
 
 namespace {
@@ -196,6 +199,11 @@ int main(int argc, char** argv) {
   }
   opt.socket_mode = mode;
 
+  if (absl::GetFlag(FLAGS_keep_freed_memory) && !kvstep::KeepFreedMemory()) {
+    KVSTEP_LOG(kWarning,
+               "--keep_freed_memory: this malloc does not take the setting; "
+               "large messages' buffers come back as fresh pages");
+  }
   const absl::Time t0 = absl::Now();
   absl::StatusOr<std::unique_ptr<kvstep::Server>> server =
       kvstep::Server::Start(opt);

@@ -2,6 +2,9 @@
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -70,6 +73,16 @@ bool IsLoopback(absl::string_view listen) {
 }
 
 }  // namespace
+
+bool KeepFreedMemory() {
+#if defined(__GLIBC__)
+  // mallopt returns 1 on success; the sanitizers' interceptors return 0.
+  return mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1 &&
+         mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1;
+#else
+  return false;
+#endif
+}
 
 absl::StatusOr<std::unique_ptr<Server>> Server::Start(
     const ServerOptions& options) {

@@ -83,6 +83,22 @@ class Server {
   std::thread reaper_;
 };
 
+// Has glibc's malloc keep freed memory for reuse instead of handing it back
+// to the kernel: blocks of up to 32 MiB (M_MMAP_THRESHOLD's largest) come
+// from the heap rather than fresh mmaps, and the heap is not trimmed below
+// 1 GiB of free space (M_TRIM_THRESHOLD). A prefill PagedAttention call
+// moves tens of MB of activations, and every buffer gRPC and protobuf
+// allocate for them otherwise comes back as fresh pages, which the kernel
+// zeroes at a tenth of warm memory's speed. With it and the service's
+// views of the request's tensors (TensorViewOfProto), a 975-token prefill
+// call took 0.79-0.89x the time, 1800 tokens 0.67-0.77x (rpc_bench
+// --prefill_tokens; docs/attention.md, session 62). The cost: the process
+// keeps the peak of its transient buffers (a few of the largest messages)
+// after they are freed. Process-wide: kvstep-server calls it at start
+// unless --keep_freed_memory=false. Returns false where the malloc is not
+// glibc's or refuses (sanitizer builds replace it).
+bool KeepFreedMemory();
+
 }  // namespace kvstep
 
 #endif  // KVSTEP_SERVICE_SERVER_H_

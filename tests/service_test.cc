@@ -4,6 +4,7 @@
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <netinet/in.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -19,6 +20,7 @@
 #include "client/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "service/convert.h"
 #include "service/server.h"
 
 namespace kvstep {
@@ -608,6 +610,73 @@ TEST(ServiceRestart, ClientNoticesANewInstance) {
   ASSERT_TRUE(second.ok()) << second.status();
   EXPECT_NE(second->server_instance_id(), first->server_instance_id());
   EXPECT_TRUE(client->server_restarted());
+}
+
+TEST(Convert, TensorViewOfProtoReadsTheProtosBytes) {
+  const std::vector<float> v = {1.5f, -2.0f, 3.25f, 0.0f, 8.0f, -1.0f};
+  v1::Tensor p;
+  p.set_dtype(v1::DTYPE_FLOAT32);
+  p.add_shape(2);
+  p.add_shape(3);
+  p.set_data(std::string(reinterpret_cast<const char*>(v.data()),
+                         v.size() * sizeof(float)));
+  absl::StatusOr<Tensor> view = TensorViewOfProto(p, true, "query");
+  ASSERT_TRUE(view.ok()) << view.status();
+  EXPECT_EQ(view->raw_data(), static_cast<const void*>(p.data().data()));
+  EXPECT_EQ(view->DebugString(), "float32[2, 3]");
+  absl::StatusOr<Tensor> copy = TensorFromProto(p, true, "query");
+  ASSERT_TRUE(copy.ok()) << copy.status();
+  EXPECT_NE(copy->raw_data(), view->raw_data());
+  EXPECT_EQ(std::memcmp(copy->raw_data(), view->raw_data(), p.data().size()),
+            0);
+  EXPECT_FALSE(TensorViewOfProto(p, false, "query")->defined());
+  // The same checks as the copy, naming the field.
+  p.add_shape(2);
+  absl::StatusOr<Tensor> bad = TensorViewOfProto(p, true, "key");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()),
+              testing::HasSubstr("key: tensor: float32[2, 3, 2] needs 48 "
+                                 "bytes, got 24"));
+  p.set_dtype(static_cast<v1::DType>(99));
+  EXPECT_THAT(
+      std::string(TensorViewOfProto(p, true, "value").status().message()),
+      testing::HasSubstr("value: dtype is missing or unknown"));
+}
+
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define KVSTEP_OWN_ALLOCATOR 1
+#endif
+#endif
+
+TEST(KeepFreedMemory, AFreedBlockComesBackWithoutPageFaults) {
+#ifdef KVSTEP_OWN_ALLOCATOR
+  GTEST_SKIP() << "the sanitizer's allocator is not glibc's";
+#else
+  ASSERT_TRUE(KeepFreedMemory());
+  constexpr size_t kBytes = size_t{16} << 20;  // 4096 pages of 4 KB
+  auto minor_faults = [] {
+    rusage u{};
+    getrusage(RUSAGE_SELF, &u);
+    return u.ru_minflt;
+  };
+  char* a = static_cast<char*>(std::malloc(kBytes));
+  ASSERT_NE(a, nullptr);
+  std::memset(a, 1, kBytes);
+  // Keeps the memset: a store to memory about to be freed is otherwise
+  // dead, and the first block would never have been touched.
+  asm volatile("" : : "r"(a) : "memory");
+  std::free(a);
+  const long before = minor_faults();
+  char* b = static_cast<char*>(std::malloc(kBytes));
+  ASSERT_NE(b, nullptr);
+  std::memset(b, 2, kBytes);
+  const long faults = minor_faults() - before;
+  std::free(b);
+  // glibc's defaults would mmap the block afresh (or trim the heap under
+  // it), and touching it again fault in each page: 4096 on 4 KB pages.
+  EXPECT_LT(faults, 64);
+#endif
 }
 
 TEST(ServiceStart, BadOptionsAreReported) {

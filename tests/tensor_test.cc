@@ -37,6 +37,44 @@ TEST(Tensor, FromHostBytesChecksTheLength) {
             std::string::npos);
 }
 
+TEST(Tensor, WrapHostBytesSharesTheCallersBytes) {
+  alignas(8) float v[6] = {1, 2, 3, 4, 5, 6};
+  {
+    absl::StatusOr<Tensor> t =
+        Tensor::WrapHostBytes(DType::kFloat32, {2, 3}, v, sizeof(v));
+    ASSERT_TRUE(t.ok()) << t.status();
+    EXPECT_EQ(t->raw_data(), static_cast<void*>(v));
+    EXPECT_EQ(t->DebugString(), "float32[2, 3]");
+    EXPECT_EQ(t->data<float>()[4], 5.0f);
+    t->data<float>()[1] = 9.0f;  // written through: the caller sees it
+    v[5] = 7.0f;                 // and the tensor sees the caller's writes
+    Tensor copy = *t;
+    EXPECT_EQ(copy.data<float>()[5], 7.0f);
+  }
+  // The tensors are gone and did not free the caller's bytes (ASan would
+  // report a free of stack memory).
+  EXPECT_EQ(v[1], 9.0f);
+}
+
+TEST(Tensor, WrapHostBytesChecksTheLengthAndAlignment) {
+  alignas(8) char bytes[32] = {};
+  absl::StatusOr<Tensor> bad =
+      Tensor::WrapHostBytes(DType::kFloat32, {4}, bytes, 12);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("needs 16 bytes, got 12"),
+            std::string::npos)
+      << bad.status();
+  bad = Tensor::WrapHostBytes(DType::kFloat32, {4}, bytes + 2, 16);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("not aligned to 4"), std::string::npos)
+      << bad.status();
+  // Two-byte elements need two-byte alignment only.
+  EXPECT_TRUE(Tensor::WrapHostBytes(DType::kFloat16, {8}, bytes + 2, 16).ok());
+  EXPECT_EQ(
+      Tensor::WrapHostBytes(DType::kInvalid, {1}, bytes, 1).status().code(),
+      absl::StatusCode::kInvalidArgument);
+}
+
 TEST(Tensor, RejectsNegativeAndOverflowingShapes) {
   EXPECT_EQ(Tensor::Zeros(CpuDevice(), DType::kInt32, {2, -1}).status().code(),
             absl::StatusCode::kInvalidArgument);
