@@ -94,11 +94,23 @@ std::pair<kvstep::v1::Tensor, kvstep::Tensor> Activations(std::mt19937_64& rng,
 // The --prefill_tokens series (see the top of this file): the RPC call and
 // the engine's, alternated; 0 on success.
 int PrefillSeries(kvstep::Server& server, kvstep::Client& client, int64_t n,
-                  int64_t pool_blocks, int rounds) {
+                  int rounds) {
   std::mt19937_64 rng(7);
   const int64_t nb = (n + 15) / 16;
-  std::vector<int64_t> table, slots, starts = {0, n};
-  for (int64_t i = 0; i < nb; ++i) table.push_back(pool_blocks - nb + i);
+  // The call's blocks belong to a sequence of its own, so that its K/V
+  // land in no other sequence's blocks.
+  const std::pair<uint64_t, int64_t> seq = {uint64_t{1} << 40, n};
+  absl::StatusOr<kvstep::v1::AllocateBlocksResponse> alloc =
+      client.AllocateBlocks({&seq, 1});
+  if (!alloc.ok() || alloc->sequences_size() != 1 ||
+      alloc->sequences(0).block_table_size() != nb) {
+    std::fprintf(stderr, "AllocateBlocks for the prefill: %s\n",
+                 alloc.status().ToString().c_str());
+    return 1;
+  }
+  std::vector<int64_t> table(alloc->sequences(0).block_table().begin(),
+                             alloc->sequences(0).block_table().end());
+  std::vector<int64_t> slots, starts = {0, n};
   for (int64_t t = 0; t < n; ++t) slots.push_back(table[t / 16] * 16 + t % 16);
   auto [query, query_t] = Activations(rng, n, 32);
   auto [key, key_t] = Activations(rng, n, 8);
@@ -328,8 +340,8 @@ int main(int argc, char** argv) {
                 Quantile(s.us, 0.5) / ping);
   }
   std::printf("(%d interleaved rounds, target %s)\n", rounds, target.c_str());
-  if (prefill > 0)
-    return PrefillSeries(*server, *client, prefill, pool_blocks,
-                         prefill_rounds);
+  if (prefill > 0) {
+    return PrefillSeries(*server, *client, prefill, prefill_rounds);
+  }
   return 0;
 }
