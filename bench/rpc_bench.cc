@@ -46,6 +46,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
+#include "client/demo.h"
+#include "service/convert.h"
 #include "service/server.h"
 
 ABSL_FLAG(int, rounds, 3000, "calls of each kind");
@@ -76,21 +78,6 @@ double Quantile(std::vector<double> v, double q) {
   return v[static_cast<size_t>(q * (v.size() - 1))];
 }
 
-// float32 [n, heads, 128] of values in [-1, 1), as proto and as tensor.
-std::pair<kvstep::v1::Tensor, kvstep::Tensor> Activations(std::mt19937_64& rng,
-                                                          int64_t n,
-                                                          int64_t heads) {
-  std::uniform_real_distribution<float> uni(-1, 1);
-  std::vector<float> v(static_cast<size_t>(n * heads * 128));
-  for (float& x : v) x = uni(rng);
-  kvstep::v1::Tensor p;
-  p.set_dtype(kvstep::v1::DTYPE_FLOAT32);
-  for (const int64_t d : {n, heads, int64_t{128}}) p.add_shape(d);
-  p.set_data(std::string(reinterpret_cast<const char*>(v.data()),
-                         v.size() * sizeof(float)));
-  return {p, kvstep::Tensor::FromValues<float>({n, heads, 128}, v)};
-}
-
 // The --prefill_tokens series (see the top of this file): the RPC call and
 // the engine's, alternated; 0 on success.
 int PrefillSeries(kvstep::Server& server, kvstep::Client& client, int64_t n,
@@ -112,9 +99,9 @@ int PrefillSeries(kvstep::Server& server, kvstep::Client& client, int64_t n,
                              alloc->sequences(0).block_table().end());
   std::vector<int64_t> slots, starts = {0, n};
   for (int64_t t = 0; t < n; ++t) slots.push_back(table[t / 16] * 16 + t % 16);
-  auto [query, query_t] = Activations(rng, n, 32);
-  auto [key, key_t] = Activations(rng, n, 8);
-  auto [value, value_t] = Activations(rng, n, 8);
+  const kvstep::v1::Tensor query = kvstep::RandomActivations(rng, n, 32, 128);
+  const kvstep::v1::Tensor key = kvstep::RandomActivations(rng, n, 8, 128);
+  const kvstep::v1::Tensor value = kvstep::RandomActivations(rng, n, 8, 128);
   kvstep::v1::PagedAttentionRequest req;
   *req.mutable_query() = query;
   *req.mutable_key() = key;
@@ -123,10 +110,20 @@ int PrefillSeries(kvstep::Server& server, kvstep::Client& client, int64_t n,
   *req.mutable_seq_lens() = kvstep::MakeIndexTensor({n}, {1});
   *req.mutable_slot_mapping() = kvstep::MakeIndexTensor(slots, {n});
   *req.mutable_query_start_loc() = kvstep::MakeIndexTensor(starts, {2});
+  // The engine's call reads the same activations, copied out of the
+  // protos once.
   kvstep::AttentionRequest direct;
-  direct.query = query_t;
-  direct.key = key_t;
-  direct.value = value_t;
+  for (const auto& [proto, tensor] :
+       {std::pair{&query, &direct.query}, std::pair{&key, &direct.key},
+        std::pair{&value, &direct.value}}) {
+    absl::StatusOr<kvstep::Tensor> t =
+        kvstep::TensorFromProto(*proto, true, "activations");
+    if (!t.ok()) {
+      std::fprintf(stderr, "%s\n", t.status().ToString().c_str());
+      return 1;
+    }
+    *tensor = *std::move(t);
+  }
   kvstep::AttentionRows rows;
   rows.query_start = starts;
   rows.seq_lens = {n};

@@ -23,22 +23,6 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// Random float32 activations [n, heads, head_size] for PagedAttention.
-v1::Tensor RandomActivations(std::mt19937_64& rng, int64_t n, int64_t heads,
-                             int64_t head_size) {
-  std::uniform_real_distribution<float> uni(-1, 1);
-  std::vector<float> v(static_cast<size_t>(n * heads * head_size));
-  for (float& x : v) x = uni(rng);
-  v1::Tensor t;
-  t.set_dtype(v1::DTYPE_FLOAT32);
-  t.add_shape(n);
-  t.add_shape(heads);
-  t.add_shape(head_size);
-  t.set_data(
-      std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4));
-  return t;
-}
-
 // Layer 0's attention for the batch's current tokens: this step's K/V go
 // into the cache, and every row attends over its context. Returns the time.
 absl::StatusOr<double> Attend(Client& client, std::mt19937_64& rng,
@@ -70,6 +54,21 @@ std::string Show(const v1::Tensor& t, size_t max_items = 8) {
 }
 
 }  // namespace
+
+v1::Tensor RandomActivations(std::mt19937_64& rng, int64_t n, int64_t heads,
+                             int64_t head_size) {
+  std::uniform_real_distribution<float> uni(-1, 1);
+  std::vector<float> v(static_cast<size_t>(n * heads * head_size));
+  for (float& x : v) x = uni(rng);
+  v1::Tensor t;
+  t.set_dtype(v1::DTYPE_FLOAT32);
+  t.add_shape(n);
+  t.add_shape(heads);
+  t.add_shape(head_size);
+  t.set_data(
+      std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4));
+  return t;
+}
 
 absl::Status RunDemo(Client& client, const DemoOptions& o, std::ostream& out) {
   std::mt19937_64 rng(o.seed);

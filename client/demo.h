@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <ostream>
+#include <random>
 
 #include "absl/status/status.h"
 #include "client/client.h"
@@ -28,6 +29,11 @@ struct DemoOptions {
 
 absl::Status RunDemo(Client& client, const DemoOptions& options,
                      std::ostream& out);
+
+// Random float32 activations [n, heads, head_size], uniform in [-1, 1), as
+// the demo sends PagedAttention (and rpc_bench --prefill_tokens).
+v1::Tensor RandomActivations(std::mt19937_64& rng, int64_t n, int64_t heads,
+                             int64_t head_size);
 
 }  // namespace kvstep
 
