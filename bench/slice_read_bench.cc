@@ -64,6 +64,11 @@
 // that rate keeps in flight at the chase's latency of the same TLB state
 // (Little's law).
 //
+// Then the "hints" table (session 63): the share of software prefetches
+// that bring their line at all, by hint, for lines on random pages (one a
+// page, or every line of a page in order), each line then loaded alone
+// and timed (HintsTable).
+//
 // Then the "streams" table (session 25): random 32 KB runs (the vLLM
 // layout's blocks over 8 KV heads, as the row K pass reads them) read one
 // at a time or two side by side, 256 bytes of each in turn, each stream
@@ -95,6 +100,7 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+#include <x86intrin.h>
 #endif
 
 #include "core/device.h"
@@ -573,6 +579,116 @@ void LinesTable(Runner& run) {
   std::fflush(stdout);
 }
 
+// One load of line p alone, in TSC ticks (lfence on both sides, so that
+// nothing else is in flight).
+__attribute__((always_inline)) inline uint64_t TimedLoad(const char* p,
+                                                         uint64_t* sink) {
+  unsigned aux;
+  _mm_lfence();
+  const uint64_t a = __rdtscp(&aux);
+  *sink += *reinterpret_cast<const volatile uint8_t*>(p);
+  const uint64_t b = __rdtscp(&aux);
+  _mm_lfence();
+  return b - a;
+}
+
+// Prefetches p with hint k (0 prefetcht0, 1 prefetcht1, 2 prefetcht2, 3
+// prefetchnta).
+__attribute__((always_inline)) inline void PrefetchHint(const char* p, int k) {
+  switch (k) {
+    case 0:
+      _mm_prefetch(p, _MM_HINT_T0);
+      break;
+    case 1:
+      _mm_prefetch(p, _MM_HINT_T1);
+      break;
+    case 2:
+      _mm_prefetch(p, _MM_HINT_T2);
+      break;
+    default:
+      _mm_prefetch(p, _MM_HINT_NTA);
+      break;
+  }
+}
+
+// The hints table (session 63): which software prefetches bring their
+// line at all. Each trial prefetches `n` lines back to back, TLB warm as
+// the lines table's, either one line of each of n random pages ("1 a
+// page", line 1 + i % 62) or every line of n / 64 random pages in order
+// ("64 a page"); waits 50 us (some 100 times a DRAM access); then loads
+// each line alone and counts it as landed if the load took under the
+// midpoint of a cached line's and an unprefetched one's median times
+// (both measured first, on the same kind of lines). "landed" is the share
+// of lines that did, over 16 trials a case. Whether a prefetch lands is
+// what the kernel's hints rest on: on the Zen 5 of session 63 prefetcht1
+// and prefetcht2 mostly did not for a page's first line, so a stream of
+// them into a new page loses that line, and one a page loses nearly all.
+__attribute__((target("avx512f"))) void HintsTable(Runner& run) {
+  constexpr int kTrials = 16;
+  uint64_t sink = 0;
+  // n lines of the kind a case reads, on fresh pages for each seed.
+  auto make = [&](size_t n, size_t per_page, uint64_t seed) {
+    const std::vector<char*> pages =
+        run.RandomPages(per_page == 1 ? n : n / 64, seed);
+    std::vector<char*> lines;
+    for (size_t i = 0; i < pages.size(); ++i) {
+      if (per_page == 1) {
+        lines.push_back(pages[i] + 64 * (1 + i % 62));
+      } else {
+        for (size_t l = 0; l < 64; ++l) lines.push_back(pages[i] + 64 * l);
+      }
+    }
+    return std::make_pair(pages, lines);
+  };
+  auto median = [](std::vector<uint64_t> v) {
+    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+    return v[v.size() / 2];
+  };
+  // The two references: lines cold (not prefetched) and lines just loaded.
+  std::vector<uint64_t> cold, cached;
+  for (int t = 0; t < kTrials; ++t) {
+    auto [pages, lines] = make(64, 1, 900 + static_cast<uint64_t>(t));
+    run.ColdLines(lines, pages, /*warm_tlb=*/true);
+    for (char* l : lines) cold.push_back(TimedLoad(l, &sink));
+    for (char* l : lines) cached.push_back(TimedLoad(l, &sink));
+  }
+  const uint64_t cold_ticks = median(cold), cached_ticks = median(cached);
+  const uint64_t cut = (cold_ticks + cached_ticks) / 2;
+  std::printf(
+      "\nhints: a cached line %llu ticks, an unprefetched one %llu; "
+      "landed: under %llu\n",
+      static_cast<unsigned long long>(cached_ticks),
+      static_cast<unsigned long long>(cold_ticks),
+      static_cast<unsigned long long>(cut));
+  std::printf("%-12s %6s %6s %8s\n", "hint", "lines", "a page", "landed");
+  const char* names[] = {"prefetcht0", "prefetcht1", "prefetcht2",
+                         "prefetchnta"};
+  const std::pair<size_t, size_t> cases[] = {
+      {8, 1}, {64, 1}, {128, 1}, {256, 64}};
+  for (int k = 0; k < 4; ++k) {
+    for (const auto& [n, per_page] : cases) {
+      size_t landed = 0, total = 0;
+      for (int t = 0; t < kTrials; ++t) {
+        auto [pages, lines] =
+            make(n, per_page, 1000 + static_cast<uint64_t>(100 * k + t));
+        run.ColdLines(lines, pages, /*warm_tlb=*/true);
+        for (char* l : lines) PrefetchHint(l, k);
+        const double until = Now() + 50e-6;
+        while (Now() < until) {
+        }
+        for (char* l : lines) landed += TimedLoad(l, &sink) < cut ? 1 : 0;
+        total += lines.size();
+      }
+      std::printf(
+          "%-12s %6zu %6zu %7.0f%%\n", names[k], n, per_page,
+          100.0 * static_cast<double>(landed) / static_cast<double>(total));
+    }
+  }
+  std::fflush(stdout);
+  volatile uint64_t keep = 0;
+  keep = keep + sink;
+}
+
 int Main(int argc, char** argv) {
   int64_t pool_mib = 1024;
   int passes = 5;
@@ -684,6 +800,7 @@ int Main(int argc, char** argv) {
     work("fma", WorkPass<kWorkFma>);
     if (__builtin_cpu_supports("avx512bf16")) work("dot", WorkPass<kWorkDot>);
     LinesTable(run);
+    HintsTable(run);
   }
 
   // The streams table (session 25): random 32 KB runs read one at a time
