@@ -615,7 +615,7 @@ __attribute__((always_inline)) inline void PrefetchHint(const char* p, int k) {
 // line at all. Each trial prefetches `n` lines back to back, TLB warm as
 // the lines table's, either one line of each of n random pages ("1 a
 // page", line 1 + i % 62) or every line of n / 64 random pages in order
-// ("64 a page"); waits 50 us (some 100 times a DRAM access); then loads
+// ("64 a page"); waits 50 us (some 300 DRAM latencies); then loads
 // each line alone and counts it as landed if the load took under the
 // midpoint of a cached line's and an unprefetched one's median times
 // (both measured first, on the same kind of lines). "landed" is the share
