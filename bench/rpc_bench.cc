@@ -131,8 +131,7 @@ int PrefillSeries(kvstep::Server& server, kvstep::Client& client, int64_t n,
   rows.width = nb;
   rows.num_real = 1;
   std::vector<double> rpc_us, engine_us;
-  std::vector<float> via_rpc;
-  kvstep::Tensor via_engine;
+  size_t out_bytes = 0;
   for (int r = 0; r < rounds; ++r) {
     absl::Time t = absl::Now();
     absl::StatusOr<kvstep::v1::PagedAttentionResponse> resp =
@@ -152,27 +151,22 @@ int PrefillSeries(kvstep::Server& server, kvstep::Client& client, int64_t n,
                    out.status().ToString().c_str());
       return 1;
     }
+    // Both paths run the same kernel on the same inputs: a difference would
+    // mean the RPC path mangled its bytes.
     if (r == 0) {
-      via_rpc.resize(static_cast<size_t>(n * 32 * 128));
-      if (resp->out().data().size() != via_rpc.size() * sizeof(float)) {
-        std::fprintf(stderr, "PagedAttention: out has %zu bytes\n",
-                     resp->out().data().size());
+      const std::string& via_rpc = resp->out().data();
+      if (via_rpc.size() != out->nbytes() ||
+          std::memcmp(via_rpc.data(), out->raw_data(), via_rpc.size()) != 0) {
+        std::fprintf(stderr,
+                     "the RPC's out (%zu bytes) differs from the engine's "
+                     "(%zu)\n",
+                     via_rpc.size(), out->nbytes());
         return 1;
       }
-      std::memcpy(via_rpc.data(), resp->out().data().data(),
-                  resp->out().data().size());
-      via_engine = *std::move(out);
+      out_bytes = out->nbytes();
     }
   }
-  // Both paths run the same kernel on the same inputs: a difference would
-  // mean the RPC path mangled its bytes.
-  if (std::memcmp(via_rpc.data(), via_engine.raw_data(), via_engine.nbytes()) !=
-      0) {
-    std::fprintf(stderr, "the RPC's out differs from the engine's\n");
-    return 1;
-  }
-  const double mb =
-      static_cast<double>(req.ByteSizeLong() + via_engine.nbytes()) / 1e6;
+  const double mb = static_cast<double>(req.ByteSizeLong() + out_bytes) / 1e6;
   const double rpc = Quantile(rpc_us, 0.5), engine = Quantile(engine_us, 0.5);
   std::printf(
       "\nprefill PagedAttention, %lld tokens (float32 activations, %.1f MB "
