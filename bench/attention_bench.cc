@@ -649,7 +649,11 @@ struct Setup {
 #if defined(__x86_64__)
 __attribute__((target("clflushopt"))) void FlushLines(const char* p,
                                                       size_t bytes) {
-  for (size_t i = 0; i < bytes; i += 64) _mm_clflushopt(p + i);
+  // GCC declares _mm_clflushopt(void*), clang (void const*); a flush
+  // writes nothing the caller sees.
+  for (size_t i = 0; i < bytes; i += 64) {
+    _mm_clflushopt(const_cast<char*>(p + i));
+  }
 }
 bool HasClflushopt() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;

@@ -29,9 +29,9 @@
 
 // The kernel's 8-float vector helpers are internal and always inlined, so
 // no call crosses an ABI boundary with an AVX vector; clang's -Wpsabi
-// warning about their by-value vectors in the portable build does not
-// apply.
-#pragma clang diagnostic ignored "-Wpsabi"
+// warning about their by-value vectors in the portable build (and GCC's,
+// which clang's GCC pragmas also take) does not apply.
+#pragma GCC diagnostic ignored "-Wpsabi"
 
 namespace kvstep {
 namespace {
@@ -686,6 +686,22 @@ KVSTEP_AMX_TARGET __attribute__((always_inline)) inline void KeyRows(
   _mm512_store_si512(rows[3], _mm512_permutex2var_epi32(b01, jhi, b23));
 }
 
+// C tile kC += A tile kA x B tile kB. GCC's _tile_dpbf16ps is a macro that
+// pastes its operands into the instruction's text ("%%tmm" #src2), so it
+// takes literal tile numbers only; there the same instruction is written
+// out, its operands in the macro's AT&T order (B, A, C).
+template <int kC, int kA, int kB>
+KVSTEP_AMX_TARGET __attribute__((always_inline)) inline void TileDp() {
+  static_assert(kC >= 0 && kC < 8 && kA >= 0 && kA < 8 && kB >= 0 && kB < 8,
+                "AMX has tiles 0-7");
+#if defined(__clang__)
+  _tile_dpbf16ps(kC, kA, kB);
+#else
+  __asm__ volatile("tdpbf16ps %%tmm%c0, %%tmm%c1, %%tmm%c2" ::"i"(kB), "i"(kA),
+                   "i"(kC));
+#endif
+}
+
 // C tiles 0 to ng - 1 += A (ng groups of 16 query rows from q, qs bytes
 // from one row to the next, gs elements from one group to the next) times
 // B tile kB; A alternates between tiles 4 and 6 so that one loads while the
@@ -694,18 +710,18 @@ template <int kB>
 KVSTEP_AMX_TARGET __attribute__((always_inline)) inline void DotGroups(
     int64_t ng, const uint16_t* q, int64_t qs, int64_t gs) {
   _tile_loadd(4, q, qs);
-  _tile_dpbf16ps(0, 4, kB);
+  TileDp<0, 4, kB>();
   if (ng > 1) {
     _tile_loadd(6, q + gs, qs);
-    _tile_dpbf16ps(1, 6, kB);
+    TileDp<1, 6, kB>();
   }
   if (ng > 2) {
     _tile_loadd(4, q + 2 * gs, qs);
-    _tile_dpbf16ps(2, 4, kB);
+    TileDp<2, 4, kB>();
   }
   if (ng > 3) {
     _tile_loadd(6, q + 3 * gs, qs);
-    _tile_dpbf16ps(3, 6, kB);
+    TileDp<3, 6, kB>();
   }
 }
 
@@ -949,16 +965,16 @@ KVSTEP_AMX_TARGET __attribute__((always_inline)) inline void Product(
     int64_t c) {
   switch (c) {
     case 0:
-      _tile_dpbf16ps(0, kA, kB);
+      TileDp<0, kA, kB>();
       break;
     case 1:
-      _tile_dpbf16ps(1, kA, kB);
+      TileDp<1, kA, kB>();
       break;
     case 2:
-      _tile_dpbf16ps(2, kA, kB);
+      TileDp<2, kA, kB>();
       break;
     default:
-      _tile_dpbf16ps(3, kA, kB);
+      TileDp<3, kA, kB>();
       break;
   }
 }

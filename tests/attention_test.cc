@@ -50,11 +50,13 @@ TEST(FloatConvert, KnownEncodings) {
 TEST(FloatConvert, RoundTripsEveryCode) {
   for (int c = 0; c < 256; ++c) {
     const float e4 = Fp8E4M3ToFloat(static_cast<uint8_t>(c));
-    if (std::isfinite(e4))
+    if (std::isfinite(e4)) {
       EXPECT_EQ(Fp8E4M3ToFloat(FloatToFp8E4M3(e4)), e4) << c;
+    }
     const float e5 = Fp8E5M2ToFloat(static_cast<uint8_t>(c));
-    if (std::isfinite(e5))
+    if (std::isfinite(e5)) {
       EXPECT_EQ(Fp8E5M2ToFloat(FloatToFp8E5M2(e5)), e5) << c;
+    }
   }
   for (uint32_t h = 0; h < 0x10000; ++h) {
     const float f = HalfToFloat(static_cast<uint16_t>(h));
@@ -276,7 +278,9 @@ TEST(FloatConvert, AmxPartsSumToTheElementExactly) {
       } else {
         const float hi = BF16ToFloat(parts[i]);
         ASSERT_EQ(std::isnan(hi), std::isnan(want[i])) << i;
-        if (!std::isnan(want[i])) ASSERT_EQ(hi, want[i]) << i;
+        if (!std::isnan(want[i])) {
+          ASSERT_EQ(hi, want[i]) << i;
+        }
         for (int64_t p = 1; p < np; ++p) ASSERT_EQ(parts[p * n + i], 0) << i;
       }
     }
@@ -779,7 +783,9 @@ TEST(PagedAttention, KeyTilesPrefetchEveryLineOfTheNextSliceOnce) {
               for (int64_t l = l0; l < l1; ++l) ++named[l];
             }
             EXPECT_EQ(named, std::vector<int>(lines, 1));
-            if (burst) EXPECT_EQ(tiles, 1);
+            if (burst) {
+              EXPECT_EQ(tiles, 1);
+            }
           }
         }
       }
@@ -2197,7 +2203,9 @@ TEST(PagedAttention, PrefillChunksValueTiles) {
     const int64_t before = internal::AmxPasses();
     Check(k);
     if (HasFatalFailure()) return;
-    if (AmxSupported()) EXPECT_GE(internal::AmxPasses() - before, 4);
+    if (AmxSupported()) {
+      EXPECT_GE(internal::AmxPasses() - before, 4);
+    }
   }
   // The 16-bit tile of 4 heads x 4 units needs a block's units in fours:
   // head 120 at block size 8 has 30 and takes 8 heads x 2, head 80 (20)
