@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Configures and builds kvstep into DIR (default build/) with clang, so that
-# -Wthread-safety proves the locking. Extra arguments go to cmake.
+# -Wthread-safety proves the locking. Extra arguments go to cmake (after
+# clang's, so -DCMAKE_CXX_COMPILER=g++ builds with GCC instead).
 #   scripts/build.sh [DIR] [-DKVSTEP_SANITIZE=address|thread ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
