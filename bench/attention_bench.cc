@@ -11,8 +11,9 @@
 // for contexts of 1k and longer.
 //
 // The first line names the CPU ("cpu: <brand> (<vendor> family F model
-// M), N CPUs"); bench/grid_table.py prints it above its table and will
-// not pool runs of two CPUs.
+// M), N CPUs"), the second the compiler ("build: clang 14.0.6");
+// bench/grid_table.py prints them above its table and will not pool runs
+// of two CPUs or two builds.
 //
 // Columns: "best GB/s" is the case's fastest call and "read GB/s" its
 // fastest read round; "of read", the one against the other, is the goal's
@@ -673,6 +674,22 @@ std::string CpuLine() {
          (cpu.vendor.empty() ? "unknown" : cpu.vendor) + " family " +
          std::to_string(cpu.family) + " model " + std::to_string(cpu.model) +
          "), " + std::to_string(std::thread::hardware_concurrency()) + " CPUs";
+}
+
+// "build: <compiler> <version>": the output's second line. The kernel
+// (core/attention.cc) is built by the same compiler as this tool, and
+// GCC's build takes 0.97-1.12x clang's time (docs/attention.md, session
+// 66), so grid_table.py will not pool runs of two builds either.
+std::string BuildLine() {
+#if defined(__clang__)
+  std::string v = "clang " __clang_version__;
+#elif defined(__GNUC__)
+  std::string v = "gcc " __VERSION__;
+#else
+  std::string v = "unknown compiler";
+#endif
+  while (!v.empty() && v.back() == ' ') v.pop_back();
+  return "build: " + v;
 }
 
 // Sends a case's K/V out of the caches. By default every line of its
@@ -1354,6 +1371,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   std::printf("%s\n", kvstep::CpuLine().c_str());
+  std::printf("%s\n", kvstep::BuildLine().c_str());
   if (baseline) {
     const double read1 = bw.Read(1, size_t{1} << 30, 5);
     const double read2 = bw.Read(2, size_t{1} << 30, 5);

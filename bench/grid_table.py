@@ -27,11 +27,13 @@ median "of read" of the (cell, run) pairs whose read was in the lowest
 quarter against the rest's. On this VM a neighbour that loads the
 memory slows the one-thread kernel more than the read (session 58).
 
-The bench's first line names the CPU ("cpu: ..."); the table starts
-with it. Runs of different CPUs are not pooled (their figures differ by
-far: sessions 47-60 ran on Intel Xeons, 61 on an AMD Zen 5) unless
---mixed_cpus says so; a file from before the bench printed its CPU
-counts as not recorded and pools with any.
+The bench's first line names the CPU ("cpu: ..."), its second the
+compiler ("build: ..."); the table starts with them. Runs of different
+CPUs are not pooled (their figures differ by far: sessions 47-60 ran on
+Intel Xeons, 61 on an AMD Zen 5) unless --mixed_cpus says so, nor runs
+of different builds (GCC's kernel takes 0.97-1.12x clang's time, session
+66) unless --mixed_builds does; a file from before the bench printed its
+CPU or build counts as not recorded and pools with any.
 
 A case whose best read pass is under half the median read of its thread
 count (in its own run) was disturbed (a neighbour on this shared VM held
@@ -61,9 +63,10 @@ def case_key(fields):
 
 def parse(path, min_context):
     """Returns ({(dtype, threads, batch, context): (of, median, read)},
-    the CPU the bench named, or None)."""
+    the CPU the bench named or None, the build it named or None)."""
     cells = {}
     cpu = None
+    build = None
     try:
         f = open(path)
     except OSError as e:
@@ -72,6 +75,9 @@ def parse(path, min_context):
         for line in f:
             if line.startswith("cpu: ") and cpu is None:
                 cpu = line[len("cpu: "):].strip()
+                continue
+            if line.startswith("build: ") and build is None:
+                build = line[len("build: "):].strip()
                 continue
             fields = line.split()
             # dtype context batch threads us/call best mean best read of median
@@ -88,7 +94,7 @@ def parse(path, min_context):
             except ValueError:
                 continue
             cells[(fields[0], threads, batch, ctx)] = (of, median, read)
-    return cells, cpu
+    return cells, cpu, build
 
 
 def half_up(x):
@@ -191,29 +197,45 @@ def main():
     ap.add_argument("--goal", type=int, default=80)
     ap.add_argument("--mixed_cpus", action="store_true",
                     help="pool runs whose bench named different CPUs")
+    ap.add_argument("--mixed_builds", action="store_true",
+                    help="pool runs whose bench named different compilers")
     args = ap.parse_args()
 
     runs = []
-    cpus = {}  # CPU -> the files that named it
-    unrecorded = 0
+    # For the CPU and the build: each value -> the files that named it, and
+    # how many files named none.
+    named = {"CPU": {}, "build": {}}
+    unrecorded = {"CPU": 0, "build": 0}
     for path in args.grid:
-        cells, cpu = parse(path, args.min_context)
+        cells, cpu, build = parse(path, args.min_context)
         if not cells:
             sys.exit(f"{path}: no grid rows from context {args.min_context}")
         runs.append(cells)
-        if cpu is None:
-            unrecorded += 1
-        else:
-            cpus.setdefault(cpu, []).append(path)
-    if len(cpus) > 1 and not args.mixed_cpus:
-        named = "; ".join(f"{c}: {', '.join(p)}" for c, p in cpus.items())
-        sys.exit(f"runs of different CPUs ({named}); --mixed_cpus pools "
-                 "them anyway")
-    if cpus:
-        text = "CPU" + ("s: " if len(cpus) > 1 else ": ") + "; ".join(cpus)
-        if unrecorded:
-            text += f" (not recorded in {unrecorded} of {len(runs)} runs)"
-        print(text)
+        for kind, value in (("CPU", cpu), ("build", build)):
+            if value is None:
+                unrecorded[kind] += 1
+            else:
+                named[kind].setdefault(value, []).append(path)
+    for kind, flag, mixed in (("CPU", "--mixed_cpus", args.mixed_cpus),
+                              ("build", "--mixed_builds", args.mixed_builds)):
+        if len(named[kind]) > 1 and not mixed:
+            which = "; ".join(f"{v}: {', '.join(p)}"
+                              for v, p in named[kind].items())
+            sys.exit(f"runs of different {kind}s ({which}); {flag} pools "
+                     "them anyway")
+    heading = []
+    for kind in ("CPU", "build"):
+        values = named[kind]
+        if not values:
+            continue
+        label = kind[0].upper() + kind[1:]
+        text = label + ("s: " if len(values) > 1 else ": ") + "; ".join(values)
+        if unrecorded[kind]:
+            text += (f" (not recorded in {unrecorded[kind]} of {len(runs)} "
+                     "runs)")
+        heading.append(text)
+    if heading:
+        print("\n".join(heading))
         print()
     disturbed_in = disturbed_sets(runs)
     cells = combine(runs, disturbed_in)

@@ -27,11 +27,13 @@ class GridTableTest(unittest.TestCase):
     def tearDown(self):
         self.dir.cleanup()
 
-    def write(self, name, rows, cpu=None):
+    def write(self, name, rows, cpu=None, build=None):
         path = os.path.join(self.dir.name, name)
         with open(path, "w") as f:
             if cpu is not None:
                 f.write(f"cpu: {cpu}\n")
+            if build is not None:
+                f.write(f"build: {build}\n")
             f.write("# a comment line\n" + HEADER + "".join(rows))
         return path
 
@@ -159,6 +161,28 @@ class GridTableTest(unittest.TestCase):
         self.assertIn(xeon, done.stderr)
         self.assertIn(f"CPUs: {zen}; {xeon}",
                       self.run_table(a, other, "--mixed_cpus"))
+
+    def test_builds(self):
+        rows = [row("bfloat16", 1024, 16, 1, 80, 80, 40.0)]
+        zen = "AMD EPYC (AuthenticAMD family 26 model 2), 2 CPUs"
+        a = self.write("a.txt", rows, zen, "clang 14.0.6")
+        b = self.write("b.txt", rows, zen, "clang 14.0.6")
+        old = self.write("old.txt", rows, zen)  # from before the build line
+        gcc = self.write("g.txt", rows, zen, "gcc 12.2.0")
+        self.assertTrue(self.run_table(a, b).startswith(
+            f"CPU: {zen}\nBuild: clang 14.0.6\n\n"))
+        self.assertIn("Build: clang 14.0.6 (not recorded in 1 of 2 runs)",
+                      self.run_table(a, old))
+        self.assertNotIn("Build", self.run_table(old))
+        done = self.run_script(a, gcc)
+        self.assertNotEqual(done.returncode, 0)
+        self.assertIn("runs of different builds", done.stderr)
+        self.assertIn("gcc 12.2.0", done.stderr)
+        # --mixed_cpus does not pool two builds; --mixed_builds does.
+        self.assertNotEqual(self.run_script(a, gcc, "--mixed_cpus").returncode,
+                            0)
+        self.assertIn("Builds: clang 14.0.6; gcc 12.2.0",
+                      self.run_table(a, gcc, "--mixed_builds"))
 
     def test_no_rows(self):
         path = self.write("empty.txt", [])
