@@ -28,9 +28,9 @@
 #include "core/log.h"
 
 // The kernel's 8-float vector helpers are internal and always inlined, so
-// no call crosses an ABI boundary with an AVX vector; clang's -Wpsabi
-// warning about their by-value vectors in the portable build (and GCC's,
-// which clang's GCC pragmas also take) does not apply.
+// no call crosses an ABI boundary with an AVX vector; the -Wpsabi warning
+// about their by-value vectors in the portable build does not apply
+// (clang takes GCC's diagnostic pragmas as its own).
 #pragma GCC diagnostic ignored "-Wpsabi"
 
 namespace kvstep {

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Installs the dependencies, builds kvstep and passes its tests: the normal
 # build, then the whole suite under ASan+UBSan, then the whole suite under
-# TSan, then the whole suite built by GCC (own build directories), then 60 s
-# of libFuzzer on request parsing and validation. Debian's gRPC, Abseil and OpenSSL are not TSan-
-# instrumented: the gRPC-free core suite runs under TSan as is, the gRPC
-# suites with tests/tsan.supp, which drops reports inside those libraries.
+# TSan, then the whole suite built by GCC (own build directories), then 60
+# s of libFuzzer on request parsing and validation. Debian's gRPC, Abseil
+# and OpenSSL are not TSan-instrumented: the gRPC-free core suite runs
+# under TSan as is, the gRPC suites with tests/tsan.supp, which drops
+# reports inside those libraries.
 #   scripts/test.sh            everything (what CI runs)
 #   scripts/test.sh --quick    the normal build only
 set -euo pipefail
