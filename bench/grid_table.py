@@ -61,23 +61,27 @@ def case_key(fields):
     return fields[0], int(fields[1]), int(fields[2]), int(fields[3])
 
 
+# What the bench's first lines name, runs of two of which are not pooled:
+# (kind, the line's prefix, the heading's label, the flag that pools them).
+SETUP = (("CPU", "cpu: ", "CPU", "--mixed_cpus"),
+         ("build", "build: ", "Build", "--mixed_builds"))
+
+
 def parse(path, min_context):
     """Returns ({(dtype, threads, batch, context): (of, median, read)},
-    the CPU the bench named or None, the build it named or None)."""
+    {kind: what the bench named} for the SETUP kinds it named)."""
     cells = {}
-    cpu = None
-    build = None
+    setup = {}
     try:
         f = open(path)
     except OSError as e:
         sys.exit(f"{path}: {e.strerror}")
     with f:
         for line in f:
-            if line.startswith("cpu: ") and cpu is None:
-                cpu = line[len("cpu: "):].strip()
-                continue
-            if line.startswith("build: ") and build is None:
-                build = line[len("build: "):].strip()
+            head = next(((k, p) for k, p, _, _ in SETUP
+                         if line.startswith(p) and k not in setup), None)
+            if head is not None:
+                setup[head[0]] = line[len(head[1]):].strip()
                 continue
             fields = line.split()
             # dtype context batch threads us/call best mean best read of median
@@ -94,7 +98,7 @@ def parse(path, min_context):
             except ValueError:
                 continue
             cells[(fields[0], threads, batch, ctx)] = (of, median, read)
-    return cells, cpu, build
+    return cells, setup
 
 
 def half_up(x):
@@ -202,37 +206,27 @@ def main():
     args = ap.parse_args()
 
     runs = []
-    # For the CPU and the build: each value -> the files that named it, and
-    # how many files named none.
-    named = {"CPU": {}, "build": {}}
-    unrecorded = {"CPU": 0, "build": 0}
+    named = {kind: {} for kind, _, _, _ in SETUP}  # value -> files naming it
     for path in args.grid:
-        cells, cpu, build = parse(path, args.min_context)
+        cells, setup = parse(path, args.min_context)
         if not cells:
             sys.exit(f"{path}: no grid rows from context {args.min_context}")
         runs.append(cells)
-        for kind, value in (("CPU", cpu), ("build", build)):
-            if value is None:
-                unrecorded[kind] += 1
-            else:
-                named[kind].setdefault(value, []).append(path)
-    for kind, flag, mixed in (("CPU", "--mixed_cpus", args.mixed_cpus),
-                              ("build", "--mixed_builds", args.mixed_builds)):
-        if len(named[kind]) > 1 and not mixed:
-            which = "; ".join(f"{v}: {', '.join(p)}"
-                              for v, p in named[kind].items())
+        for kind, value in setup.items():
+            named[kind].setdefault(value, []).append(path)
+    heading = []
+    for kind, _, label, flag in SETUP:
+        values = named[kind]
+        if len(values) > 1 and not getattr(args, flag[2:]):
+            which = "; ".join(f"{v}: {', '.join(p)}" for v, p in values.items())
             sys.exit(f"runs of different {kind}s ({which}); {flag} pools "
                      "them anyway")
-    heading = []
-    for kind in ("CPU", "build"):
-        values = named[kind]
         if not values:
             continue
-        label = kind[0].upper() + kind[1:]
         text = label + ("s: " if len(values) > 1 else ": ") + "; ".join(values)
-        if unrecorded[kind]:
-            text += (f" (not recorded in {unrecorded[kind]} of {len(runs)} "
-                     "runs)")
+        unrecorded = len(runs) - sum(len(p) for p in values.values())
+        if unrecorded:
+            text += f" (not recorded in {unrecorded} of {len(runs)} runs)"
         heading.append(text)
     if heading:
         print("\n".join(heading))
