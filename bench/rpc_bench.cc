@@ -7,7 +7,8 @@
 // control RPCs within 10% of the ping.
 //
 //   build/bench/rpc_bench [--rounds=3000] [--rows=64] [--target=ADDR]
-//       [--attention_context=N] [--attention_idle_poll_us=N]
+//       [--attention_context=N [--background_attention]]
+//       [--attention_idle_poll_us=N]
 // Without --target, a server is started in this process on a unix socket.
 //
 // --attention_context=N (N a multiple of 16, at least 1024) adds a
@@ -19,6 +20,17 @@
 // passed to the in-process server; -1 its default): runs with the poll and
 // without show what a polling worker costs the control path. The cache
 // then has that geometry for every series (64 KB a block).
+//
+// --background_attention (with --attention_context) makes the same
+// attention call from a second client in a loop, on its own thread, for
+// as long as the rounds run, instead of once a round: the control RPCs
+// then meet an attention call in flight, as a scheduler's do when it plans
+// the next step while the model runner's layers attend. The in-process
+// server then runs attention on one thread (--attention_threads=1), so
+// that the other core is left to gRPC and this client, and the series
+// shows what a call in flight costs the control path rather than what two
+// cores shared three ways cost it. "attention calls" is how many the loop
+// made.
 //
 // --prefill_tokens=N (N > 0) then times a prefill PagedAttention call of N
 // tokens as the demo sends one: one row attending over its own N tokens,
@@ -33,11 +45,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <functional>
 #include <random>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -58,6 +72,9 @@ ABSL_FLAG(int64_t, attention_context, 0,
           "none; else a multiple of 16, at least 1024)");
 ABSL_FLAG(int64_t, attention_idle_poll_us, -1,
           "the in-process server's --attention_idle_poll_us");
+ABSL_FLAG(bool, background_attention, false,
+          "with --attention_context: the attention call in a loop on its own "
+          "client and thread while the rounds run, not in the rounds");
 ABSL_FLAG(int64_t, prefill_tokens, 0,
           "tokens of a prefill PagedAttention call timed against the engine "
           "called directly (0: none)");
@@ -198,6 +215,11 @@ int main(int argc, char** argv) {
                  "least 1024\n");
     return 2;
   }
+  const bool background = absl::GetFlag(FLAGS_background_attention);
+  if (background && attn_ctx == 0) {
+    std::fprintf(stderr, "--background_attention needs --attention_context\n");
+    return 2;
+  }
   const int64_t prefill = absl::GetFlag(FLAGS_prefill_tokens);
   const int prefill_rounds = absl::GetFlag(FLAGS_prefill_rounds);
   if (prefill < 0 || prefill_rounds < 1 ||
@@ -230,6 +252,7 @@ int main(int argc, char** argv) {
     if (attention) o.engine.cache.dtype = kvstep::DType::kBFloat16;
     o.engine.attention_idle_poll_us =
         absl::GetFlag(FLAGS_attention_idle_poll_us);
+    if (background) o.engine.attention_threads = 1;
     auto s = kvstep::Server::Start(o);
     if (!s.ok()) {
       std::fprintf(stderr, "%s\n", s.status().ToString().c_str());
@@ -307,12 +330,36 @@ int main(int argc, char** argv) {
     *attn.mutable_query() = bf16(32);
     *attn.mutable_key() = bf16(8);
     *attn.mutable_value() = bf16(8);
-    series.push_back({absl::StrCat("PagedAttention (bf16, context ", attn_ctx,
-                                   ", ", attn_ctx * 4 / 1024, " MiB)"),
-                      [&] { return client->PagedAttention(attn).ok(); },
-                      {}});
+    if (!background) {
+      series.push_back({absl::StrCat("PagedAttention (bf16, context ", attn_ctx,
+                                     ", ", attn_ctx * 4 / 1024, " MiB)"),
+                        [&] { return client->PagedAttention(attn).ok(); },
+                        {}});
+    }
   }
   for (int warm = 0; warm < 100; ++warm) series[0].call();
+  // --background_attention: the attention loop, started before the rounds
+  // and stopped after them.
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> attention_calls{0};
+  std::atomic<bool> attention_failed{false};
+  std::thread attention_loop;
+  if (background) {
+    attention_loop = std::thread([&] {
+      auto own = kvstep::Client::Connect(target);
+      while (!stop.load(std::memory_order_relaxed)) {
+        if (!own->PagedAttention(attn).ok()) {
+          attention_failed = true;
+          return;
+        }
+        attention_calls.fetch_add(1, std::memory_order_relaxed);
+      }
+    });
+    // Its first call under way before the first round.
+    while (attention_calls.load() == 0 && !attention_failed.load()) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+  }
   for (int r = 0; r < rounds; ++r) {
     for (Series& s : series) {
       const absl::Time t = absl::Now();
@@ -323,6 +370,14 @@ int main(int argc, char** argv) {
       s.us.push_back(absl::ToDoubleMicroseconds(absl::Now() - t));
     }
   }
+  if (background) {
+    stop = true;
+    attention_loop.join();
+    if (attention_failed) {
+      std::fprintf(stderr, "the background PagedAttention call failed\n");
+      return 1;
+    }
+  }
   const double ping = Quantile(series[0].us, 0.5);
   std::printf("%-44s %9s %9s %9s\n", "call", "p50 us", "p90 us", "p50/ping");
   for (const Series& s : series) {
@@ -331,6 +386,14 @@ int main(int argc, char** argv) {
                 Quantile(s.us, 0.5) / ping);
   }
   std::printf("(%d interleaved rounds, target %s)\n", rounds, target.c_str());
+  if (background) {
+    std::printf(
+        "background: %lld PagedAttention calls (bf16, context %lld, %lld MiB "
+        "of K/V each) in flight through the rounds, from another client\n",
+        static_cast<long long>(attention_calls.load()),
+        static_cast<long long>(attn_ctx),
+        static_cast<long long>(attn_ctx * 4 / 1024));
+  }
   if (prefill > 0) {
     return PrefillSeries(*server, *client, prefill, prefill_rounds);
   }
