@@ -23,6 +23,7 @@ BlockAllocator::BlockAllocator(int64_t num_blocks, BlockOrder order,
     : order_(order),
       sink_(std::move(sink)),
       ref_counts_(static_cast<size_t>(num_blocks), 0),
+      pins_(static_cast<size_t>(num_blocks), 0),
       hash_of_(static_cast<size_t>(num_blocks)),
       lru_prev_(static_cast<size_t>(num_blocks), kNone),
       lru_next_(static_cast<size_t>(num_blocks), kNone),
@@ -138,6 +139,11 @@ void BlockAllocator::Unregister(BlockId id, bool emit) {
 absl::Status BlockAllocator::Allocate(int64_t n, std::vector<BlockId>* out,
                                       BlockId after, int64_t table_blocks) {
   if (n < 0) return absl::InvalidArgumentError("negative block count");
+  if (n > 0 && num_pinned_unowned_ > 0) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%d released blocks are still read by an attention call in flight",
+        num_pinned_unowned_));
+  }
   if (n > num_available()) {
     return absl::ResourceExhaustedError(
         absl::StrFormat("need %d blocks, %d available: %d blocks missing", n,
@@ -204,6 +210,7 @@ absl::Status BlockAllocator::Release(absl::Span<const BlockId> ids) {
   for (auto it = ids.rbegin(); it != ids.rend(); ++it) {
     const BlockId id = *it;
     if (--ref_counts_[id] > 0) continue;
+    if (pins_[id] > 0) ++num_pinned_unowned_;
     if (hash_of_[id].has_value()) {
       LruPushBack(id);
     } else {
@@ -214,8 +221,23 @@ absl::Status BlockAllocator::Release(absl::Span<const BlockId> ids) {
 }
 
 void BlockAllocator::Acquire(BlockId id) {
-  if (ref_counts_[id] == 0 && in_lru_[id]) LruRemove(id);
+  if (ref_counts_[id] == 0) {
+    if (in_lru_[id]) LruRemove(id);
+    if (pins_[id] > 0) --num_pinned_unowned_;
+  }
   ++ref_counts_[id];
+}
+
+void BlockAllocator::Pin(absl::Span<const BlockId> ids) {
+  for (BlockId id : ids) {
+    if (pins_[id]++ == 0 && ref_counts_[id] == 0) ++num_pinned_unowned_;
+  }
+}
+
+void BlockAllocator::Unpin(absl::Span<const BlockId> ids) {
+  for (BlockId id : ids) {
+    if (--pins_[id] == 0 && ref_counts_[id] == 0) --num_pinned_unowned_;
+  }
 }
 
 std::optional<BlockId> BlockAllocator::Lookup(const BlockHash& hash) const {

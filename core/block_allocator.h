@@ -94,7 +94,8 @@ class BlockAllocator {
   // in their sequence's table (kNone: none), which kRuns continues from;
   // `table_blocks`: the length of that table with the new blocks in, which
   // sizes the gap kRuns leaves after a new run (RunGap); the stack orders
-  // ignore both.
+  // ignore both. FAILED_PRECONDITION (and nothing taken) for n > 0 while a
+  // pinned block is unowned (Pin).
   absl::Status Allocate(int64_t n, std::vector<BlockId>* out,
                         BlockId after = kNone, int64_t table_blocks = 0);
 
@@ -166,6 +167,25 @@ class BlockAllocator {
     return std::clamp(table_blocks, kRunGap, kMaxRunGap);
   }
 
+  // Pins: the blocks an attention call in flight reads outside the
+  // Engine's lock (Engine::PagedAttention), counted per block, repeats
+  // and all. A pin changes neither a block's state nor the free list's
+  // order: a pinned block may still be released, and then becomes free or
+  // cached as any other. What it holds back is its reuse. While any pinned
+  // block is unowned (released since it was pinned, or free or cached
+  // when pinned: the explicit mode's tables may name any block), Allocate
+  // takes nothing and returns FAILED_PRECONDITION, and the Engine waits
+  // for the pins to go before it allocates. Waiting rather than skipping
+  // the pinned blocks keeps which blocks an allocation gets independent of
+  // when attention calls run, so that sidecars fed the same calls keep the
+  // same tables (tensor-parallel fan-out).
+  // REQUIRES: every id valid (Pin), pinned (Unpin).
+  void Pin(absl::Span<const BlockId> ids);
+  void Unpin(absl::Span<const BlockId> ids);
+  int32_t PinCount(BlockId id) const { return pins_[id]; }
+  // Pinned blocks with no reference: while there are any, Allocate refuses.
+  int64_t num_pinned_unowned() const { return num_pinned_unowned_; }
+
   int32_t RefCount(BlockId id) const { return ref_counts_[id]; }
   bool IsValid(int64_t id) const { return id >= 0 && id < num_blocks(); }
   bool IsOnFreeList(BlockId id) const;
@@ -197,6 +217,8 @@ class BlockAllocator {
   int64_t num_free_runs_ = 0;
   int64_t cursor_ = 0;
   std::vector<int32_t> ref_counts_;
+  std::vector<int32_t> pins_;  // Pin
+  int64_t num_pinned_unowned_ = 0;
   // Prefix cache: hash <-> block, and an intrusive LRU list of the cached,
   // unreferenced blocks (front: least recently used).
   absl::flat_hash_map<BlockHash, BlockId> by_hash_;

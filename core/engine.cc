@@ -130,6 +130,7 @@ Engine::Engine(const EngineOptions& options, std::unique_ptr<KvCache> cache,
               ? BestPrefetch(options.cache.dtype, options.cache.layout)
               : options.attention_prefetch),
       clock_(options.clock),
+      attention_kernel_hook_(options.attention_kernel_hook),
       default_session_ttl_(options.default_session_ttl),
       max_session_ttl_(options.max_session_ttl),
       events_(options.event_log_capacity),
@@ -397,6 +398,18 @@ void Engine::MarkStale(const std::vector<BatchId>& batches, SeqId id,
 absl::StatusOr<AllocateResult> Engine::AllocateBlocks(
     absl::Span<const SequenceRequest> requests, const Caller& caller) {
   MutexLock lock(&mu_);
+  // First, as waiting lets other calls in: a call that takes fresh blocks
+  // waits while an attention call in flight reads released ones (a no-op
+  // retry or a growth inside the blocks held does not).
+  while (allocator_.num_pinned_unowned() > 0) {
+    int64_t needed = 0, fresh = 0;
+    bool never = false;
+    if (!seqs_.BlocksNeeded(requests, &needed, &never, &fresh).ok() ||
+        fresh == 0) {
+      break;  // Allocate reports the error, or takes no block
+    }
+    WaitForPinsLocked(/*once=*/true);
+  }
   if (absl::Status s = UseSessionLocked(caller); !s.ok()) return s;
   for (size_t i = 0; i < requests.size(); ++i) {
     if (absl::Status s =
@@ -406,7 +419,13 @@ absl::StatusOr<AllocateResult> Engine::AllocateBlocks(
     }
   }
   std::vector<SequenceGrowth> growth;
+  const int64_t pinned_unowned = allocator_.num_pinned_unowned();
   if (absl::Status s = seqs_.Allocate(requests, &growth); !s.ok()) return s;
+  // A prefix hit on a released pinned block owns it again: where that was
+  // the last, the calls waiting for the pins may go.
+  if (pinned_unowned > 0 && allocator_.num_pinned_unowned() == 0) {
+    pins_released_.notify_all();
+  }
   AllocateResult result;
   result.sequences.reserve(growth.size());
   for (SequenceGrowth& g : growth) {
@@ -536,6 +555,8 @@ absl::StatusOr<SwapOutcome> Engine::SwapIn(absl::Span<const SeqId> ids,
 absl::StatusOr<SwapOutcome> Engine::Swap(absl::Span<const SeqId> ids, bool out,
                                          const Caller& caller) {
   MutexLock lock(&mu_);
+  // SwapIn takes fresh device blocks; first, as waiting lets other calls in.
+  if (!out) WaitForPinsLocked(/*once=*/false);
   if (absl::Status s = AdmitSeqIdsLocked(ids, caller); !s.ok()) return s;
   SwapResult r;
   absl::Status s = out ? seqs_.SwapOut(ids, &r) : seqs_.SwapIn(ids, &r);
@@ -845,48 +866,65 @@ absl::Status Engine::AdvanceStepExplicit(AdvanceStepArgs args, StepState* state,
 absl::StatusOr<Tensor> Engine::PagedAttention(BatchId id,
                                               const AttentionRequest& req,
                                               const Caller& caller) {
-  // The lock is held for the whole call: attention reads blocks that a
-  // concurrent FreeSequences + AllocateBlocks could hand to someone else.
-  MutexLock lock(&mu_);
-  if (absl::Status s = UseSessionLocked(caller); !s.ok()) return s;
-  absl::StatusOr<Batch*> found = FindBatchLocked(id, caller);
-  if (!found.ok()) return found.status();
-  const Batch& b = **found;
-  const BatchMeta& m = b.meta();
-  if (absl::Status s = b.CheckLive(); !s.ok()) return s;
-  const BatchTensors& t = b.tensors();
+  MutexLock attention(&attention_mu_);
   AttentionRows rows;
-  rows.query_start = IndexValues(t.query_start_loc);
-  rows.seq_lens = IndexValues(t.state.seq_lens);
-  rows.block_tables = IndexValues(t.state.block_tables);
-  rows.width = b.table_width();
-  rows.num_real = m.num_queries;
-  const std::vector<int64_t> slots = IndexValues(t.state.slot_mapping);
-  const int64_t bs = cache_->config().block_size;
-  // No write may land in a block another sequence holds (a fork since the
-  // step was planned): AllocateBlocks must copy it first.
-  for (size_t k = 0; k < slots.size(); ++k) {
-    if (slots[k] >= 0 &&
-        allocator_.RefCount(static_cast<BlockId>(slots[k] / bs)) > 1) {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "slot_mapping[%d] = %d is in block %d, which is shared with another "
-          "sequence: call AllocateBlocks first (it copies the block)",
-          k, slots[k], slots[k] / bs));
+  std::vector<BlockId> pinned;
+  {
+    MutexLock lock(&mu_);
+    if (absl::Status s = UseSessionLocked(caller); !s.ok()) return s;
+    absl::StatusOr<Batch*> found = FindBatchLocked(id, caller);
+    if (!found.ok()) return found.status();
+    const Batch& b = **found;
+    const BatchMeta& m = b.meta();
+    if (absl::Status s = b.CheckLive(); !s.ok()) return s;
+    // Copies: the batch may change (or go) while the kernel runs.
+    const BatchTensors& t = b.tensors();
+    rows.query_start = IndexValues(t.query_start_loc);
+    rows.seq_lens = IndexValues(t.state.seq_lens);
+    rows.block_tables = IndexValues(t.state.block_tables);
+    rows.width = b.table_width();
+    rows.num_real = m.num_queries;
+    const std::vector<int64_t> slots = IndexValues(t.state.slot_mapping);
+    const int64_t bs = cache_->config().block_size;
+    // No write may land in a block another sequence holds (a fork since the
+    // step was planned): AllocateBlocks must copy it first.
+    for (size_t k = 0; k < slots.size(); ++k) {
+      if (slots[k] >= 0 &&
+          allocator_.RefCount(static_cast<BlockId>(slots[k] / bs)) > 1) {
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "slot_mapping[%d] = %d is in block %d, which is shared with "
+            "another sequence: call AllocateBlocks first (it copies the "
+            "block)",
+            k, slots[k], slots[k] / bs));
+      }
+    }
+    if (absl::Status s = PrepareAttentionLocked(req, rows, slots, &pinned);
+        !s.ok()) {
+      return s;
     }
   }
-  return AttendLocked(req, rows, slots);
+  return AttendPinned(req, rows, pinned);
 }
 
 absl::StatusOr<Tensor> Engine::PagedAttentionExplicit(
     const AttentionRequest& req, const AttentionRows& rows,
     absl::Span<const int64_t> slots) {
-  MutexLock lock(&mu_);
-  return AttendLocked(req, rows, slots);
+  MutexLock attention(&attention_mu_);
+  std::vector<BlockId> pinned;
+  {
+    MutexLock lock(&mu_);
+    if (absl::Status s = PrepareAttentionLocked(req, rows, slots, &pinned);
+        !s.ok()) {
+      return s;
+    }
+  }
+  return AttendPinned(req, rows, pinned);
 }
 
-absl::StatusOr<Tensor> Engine::AttendLocked(const AttentionRequest& req,
+absl::Status Engine::PrepareAttentionLocked(const AttentionRequest& req,
                                             const AttentionRows& rows,
-                                            absl::Span<const int64_t> slots) {
+                                            absl::Span<const int64_t> slots,
+                                            std::vector<BlockId>* pinned) {
   // The query and rows are checked before the step's K/V are written, and
   // ReshapeAndCache checks its own inputs before writing anything.
   if (absl::Status s =
@@ -900,15 +938,49 @@ absl::StatusOr<Tensor> Engine::AttendLocked(const AttentionRequest& req,
       !s.ok()) {
     return s;
   }
+  // What the kernel reads: each real row's first ceil(seq_len / block_size)
+  // table entries, which ValidateAttention checked are blocks of the pool.
+  // In the explicit mode they may be anyone's, or free.
+  const int64_t bs = cache_->config().block_size;
+  pinned->clear();
+  for (int64_t r = 0; r < rows.num_real; ++r) {
+    const int64_t need = (rows.seq_lens[r] + bs - 1) / bs;
+    for (int64_t j = 0; j < need; ++j) {
+      pinned->push_back(
+          static_cast<BlockId>(rows.block_tables[r * rows.width + j]));
+    }
+  }
+  allocator_.Pin(*pinned);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Tensor> Engine::AttendPinned(
+    const AttentionRequest& req, const AttentionRows& rows,
+    const std::vector<BlockId>& pinned) {
+  if (attention_kernel_hook_) attention_kernel_hook_();
   AttentionParams params = req.params;
   params.prefetch = attention_prefetch_;
   Tensor out;
-  if (absl::Status s = kvstep::PagedAttention(*cache_, req.layer, req.query,
-                                              rows, params, pool_.get(), &out);
-      !s.ok()) {
-    return s;
+  const absl::Status s = kvstep::PagedAttention(
+      *cache_, req.layer, req.query, rows, params, pool_.get(), &out);
+  {
+    MutexLock lock(&mu_);
+    const bool waited_on = allocator_.num_pinned_unowned() > 0;
+    allocator_.Unpin(pinned);
+    if (waited_on) pins_released_.notify_all();
   }
+  if (!s.ok()) return s;
   return out;
+}
+
+void Engine::WaitForPinsLocked(bool once) {
+  while (allocator_.num_pinned_unowned() > 0) {
+    // Notified where the count reaches 0 (AttendPinned, AllocateBlocks);
+    // the deadline is a backstop, not the wake-up.
+    mu_.WaitUntil(pins_released_,
+                  std::chrono::steady_clock::now() + std::chrono::seconds(1));
+    if (once) return;
+  }
 }
 
 absl::Status Engine::CheckInvariants() const {

@@ -18,11 +18,20 @@
 // sequences freed. Objects created without a session belong to no session
 // and only session-less calls may touch them.
 //
-// Thread-safe: every method may be called from any thread. One mutex guards
-// all state; each call holds it for microseconds (no I/O under the lock).
+// Thread-safe: every method may be called from any thread. One mutex (mu_)
+// guards all state; each call holds it for microseconds (no I/O under the
+// lock). PagedAttention, whose kernel takes milliseconds, holds it only to
+// check its inputs, write the step's K/V and pin the blocks it reads, and
+// runs the kernel outside it, so that control calls do not queue behind
+// attention: a pinned block may be released meanwhile but not handed out
+// again until the call is done (BlockAllocator::Pin; an allocation that
+// would need to waits for it). Attention calls run one at a time
+// (attention_mu_, taken before mu_): they share the attention threads, and
+// one call's K/V write must not land under another's reads.
 #ifndef KVSTEP_CORE_ENGINE_H_
 #define KVSTEP_CORE_ENGINE_H_
 
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -87,6 +96,11 @@ struct EngineOptions {
   absl::Duration max_session_ttl = absl::Hours(24);
   // The clock session deadlines are kept on (tests substitute a fake).
   std::function<absl::Time()> clock;  // absl::Now when empty
+  // Tests only: called on a PagedAttention call's thread once the call has
+  // written its K/V, pinned its blocks and let go of the engine's lock,
+  // just before its kernel runs; a test holds the call there to run
+  // control calls beside it.
+  std::function<void()> attention_kernel_hook;
 };
 
 // Who makes a call: the session it runs in (0: none).
@@ -298,7 +312,10 @@ class Engine {
   // PagedAttention for one layer of a server-held batch: writes the step's
   // K/V at the batch's slot_mapping (reshape_and_cache), then attends every
   // real row over its context (padding rows get zeros). FAILED_PRECONDITION
-  // for a stale batch or a slot in a block another sequence shares.
+  // for a stale batch or a slot in a block another sequence shares. The
+  // call sees the batch as it was when it began: control calls that come
+  // while its kernel runs (AdvanceStep, FreeSequences, ...) change the
+  // batch for later calls, not for this one.
   absl::StatusOr<Tensor> PagedAttention(BatchId id, const AttentionRequest& req,
                                         const Caller& caller = {});
   // The op with the caller's rows and slots (block ids checked against the
@@ -324,11 +341,23 @@ class Engine {
                  std::vector<BatchId>* stale)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   BlockStats StatsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Validates, writes the step's K/V at `slots`, and attends.
-  absl::StatusOr<Tensor> AttendLocked(const AttentionRequest& req,
+  // Validates, writes the step's K/V at `slots`, and pins the blocks the
+  // kernel will read into *pinned (nothing written or pinned on error).
+  absl::Status PrepareAttentionLocked(const AttentionRequest& req,
                                       const AttentionRows& rows,
-                                      absl::Span<const int64_t> slots)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                                      absl::Span<const int64_t> slots,
+                                      std::vector<BlockId>* pinned)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(attention_mu_, mu_);
+  // Runs the kernel on rows whose blocks PrepareAttentionLocked pinned,
+  // without mu_, then unpins them.
+  absl::StatusOr<Tensor> AttendPinned(const AttentionRequest& req,
+                                      const AttentionRows& rows,
+                                      const std::vector<BlockId>& pinned)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(attention_mu_) ABSL_LOCKS_EXCLUDED(mu_);
+  // Waits (mu_ released meanwhile) until no block an attention call in
+  // flight reads is unowned, so that an allocation may take any free block;
+  // with `once`, for one wake-up at most (the caller checks again).
+  void WaitForPinsLocked(bool once) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<SwapOutcome> Swap(absl::Span<const SeqId> ids, bool out,
                                    const Caller& caller);
 
@@ -380,14 +409,19 @@ class Engine {
   Device* const device_;
   const std::unique_ptr<KvCache> cache_;
   const std::unique_ptr<KvCache> host_cache_;  // null without a host tier
-  const std::unique_ptr<ThreadPool> pool_;
+  // One attention call at a time (see the class comment); taken before mu_.
+  Mutex attention_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  const std::unique_ptr<ThreadPool> pool_ ABSL_PT_GUARDED_BY(attention_mu_);
   const AttentionParams::Prefetch attention_prefetch_;  // never kAuto
   const std::function<absl::Time()> clock_;
+  const std::function<void()> attention_kernel_hook_;
   const absl::Duration default_session_ttl_;
   const absl::Duration max_session_ttl_;
   EventLog events_;  // own lock; appended to under mu_
 
   mutable Mutex mu_;
+  // Notified when an attention call unpins its blocks (WaitForPinsLocked).
+  std::condition_variable pins_released_;
   BlockAllocator allocator_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<BlockAllocator> host_allocator_ ABSL_GUARDED_BY(mu_);
   SequenceManager seqs_ ABSL_GUARDED_BY(mu_);

@@ -151,11 +151,12 @@ absl::Status SequenceManager::MakePlan(
 }
 
 absl::Status SequenceManager::BlocksNeeded(
-    absl::Span<const SequenceRequest> requests, int64_t* needed,
-    bool* never) const {
+    absl::Span<const SequenceRequest> requests, int64_t* needed, bool* never,
+    int64_t* fresh) const {
   Plan plan;
   if (absl::Status s = MakePlan(requests, &plan); !s.ok()) return s;
   *needed = plan.needed + plan.hit_evictable;
+  if (fresh != nullptr) *fresh = plan.needed;
   // A request that needs more than the whole pool can never be served.
   *never = plan.needed > device_->num_blocks();
   return absl::OkStatus();

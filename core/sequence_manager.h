@@ -117,9 +117,12 @@ class SequenceManager {
                         std::vector<SequenceGrowth>* out);
 
   // Blocks the requests would still need (no change): for admission.
-  // `*never` is set when a request can never fit this pool.
+  // `*never` is set when a request can never fit this pool; `*fresh` (if
+  // not null), how many of them Allocate would take from the allocator
+  // (the rest are prefix hits on cached blocks).
   absl::Status BlocksNeeded(absl::Span<const SequenceRequest> requests,
-                            int64_t* needed, bool* never) const;
+                            int64_t* needed, bool* never,
+                            int64_t* fresh = nullptr) const;
 
   // The child shares every block holding the parent's num_tokens tokens.
   absl::Status Fork(SeqId parent, SeqId child);

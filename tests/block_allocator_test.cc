@@ -207,6 +207,73 @@ TEST(BlockAllocator, DoubleReleaseIsAnErrorAndChangesNothing) {
   EXPECT_EQ(a.num_free(), 4);
 }
 
+// Pins hold back the reuse of released blocks, not their release: the
+// free list and the prefix cache go on as without them, and an allocation
+// after the pins go takes what it would have taken with none.
+TEST(BlockAllocator, PinnedBlocksAreReleasedButNotReusedUntilUnpinned) {
+  for (BlockOrder order :
+       {BlockOrder::kDescending, BlockOrder::kAscending, BlockOrder::kRuns}) {
+    BlockAllocator a(8, order), twin(8, order);  // twin: never pinned
+    std::vector<BlockId> t, tt;
+    ASSERT_TRUE(a.Allocate(3, &t).ok());
+    ASSERT_TRUE(twin.Allocate(3, &tt).ok());
+    ASSERT_EQ(t, tt);
+    a.Pin({t[0], t[1], t[1], t[2]});  // repeats count
+    EXPECT_EQ(a.PinCount(t[1]), 2);
+    EXPECT_EQ(a.num_pinned_unowned(), 0);
+    // Pinned and owned: allocation goes on.
+    std::vector<BlockId> u, tu;
+    ASSERT_TRUE(a.Allocate(1, &u).ok());
+    ASSERT_TRUE(twin.Allocate(1, &tu).ok());
+    ASSERT_TRUE(a.Release(t).ok());
+    ASSERT_TRUE(twin.Release(tt).ok());
+    EXPECT_EQ(a.num_pinned_unowned(), 3);
+    EXPECT_EQ(a.num_free(), twin.num_free());  // released all the same
+    std::vector<BlockId> v;
+    const absl::Status s = a.Allocate(1, &v);
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(std::string(s.message()), HasSubstr("3 released blocks"));
+    EXPECT_TRUE(v.empty());
+    EXPECT_EQ(a.num_free(), twin.num_free());  // nothing taken
+    EXPECT_TRUE(a.Allocate(0, &v).ok());       // takes no block: no wait
+    a.Unpin({t[0], t[1], t[2]});
+    EXPECT_EQ(a.num_pinned_unowned(), 1);  // t[1]'s second pin
+    EXPECT_EQ(a.Allocate(1, &v).code(), absl::StatusCode::kFailedPrecondition);
+    a.Unpin({t[1]});
+    EXPECT_EQ(a.num_pinned_unowned(), 0);
+    std::vector<BlockId> tv;
+    ASSERT_TRUE(a.Allocate(4, &v).ok());
+    ASSERT_TRUE(twin.Allocate(4, &tv).ok());
+    EXPECT_EQ(v, tv) << BlockOrderName(order);
+  }
+}
+
+TEST(BlockAllocator, PinsOnFreeAndCachedBlocksHoldBackAllocation) {
+  BlockAllocator a(4, BlockOrder::kAscending);
+  std::vector<BlockId> t;
+  ASSERT_TRUE(a.Allocate(2, &t).ok());
+  const std::vector<int64_t> tokens = {1, 2};
+  const BlockHash h = HashBlock(std::nullopt, tokens, "");
+  ASSERT_TRUE(a.Register(t[0], h, std::nullopt, tokens, ""));
+  ASSERT_TRUE(a.Release(t).ok());  // t[0] cached, t[1] free
+  a.Pin({t[0], t[1]});             // as an explicit call's tables may
+  EXPECT_EQ(a.num_pinned_unowned(), 2);
+  std::vector<BlockId> v;
+  EXPECT_EQ(a.Allocate(1, &v).code(), absl::StatusCode::kFailedPrecondition);
+  // A prefix hit owns the cached block again: one unowned pin left.
+  a.Acquire(*a.Lookup(h));
+  EXPECT_EQ(a.num_pinned_unowned(), 1);
+  a.Unpin({t[1]});
+  EXPECT_EQ(a.num_pinned_unowned(), 0);
+  ASSERT_TRUE(a.Allocate(1, &v).ok());
+  // Unpinning an owned block leaves the count alone; releasing it after.
+  a.Unpin({t[0]});
+  EXPECT_EQ(a.num_pinned_unowned(), 0);
+  ASSERT_TRUE(a.Release({t[0]}).ok());
+  EXPECT_EQ(a.num_pinned_unowned(), 0);
+  EXPECT_EQ(a.num_evictable(), 1);
+}
+
 class SequenceManagerTest : public ::testing::Test {
  protected:
   BlockAllocator alloc_{20, BlockOrder::kDescending};

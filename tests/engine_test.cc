@@ -3,6 +3,8 @@
 #include "core/engine.h"
 
 #include <atomic>
+#include <chrono>
+#include <future>
 #include <random>
 #include <thread>
 #include <vector>
@@ -766,6 +768,129 @@ TEST(EngineConcurrency, ManyThreadsKeepTheInvariants) {
   EXPECT_EQ(e->Info().free_blocks, 256);
   EXPECT_EQ(e->Info().num_batches, 0);
   EXPECT_TRUE(e->CheckInvariants().ok());
+}
+
+// PagedAttention holds the engine's lock only for its checks, its K/V
+// write and its pins: control calls made while its kernel runs come back
+// at once, a block it reads that they release is not handed out again
+// until it is done, and it returns what it returns alone. Under TSan this
+// also checks the kernel's reads against what those calls write (the
+// copy-on-write below copies a block the kernel is reading).
+TEST(EngineConcurrency, ControlCallsRunBesideAnAttentionKernel) {
+  const int64_t H = 4, KV = 2, D = 64;
+  std::promise<void> in_kernel, release;
+  std::future<void> kernel_reached = in_kernel.get_future();
+  const std::shared_future<void> released = release.get_future().share();
+  std::atomic<bool> hold{false};
+  EngineOptions o;
+  o.cache.num_blocks = 16;
+  o.cache.block_size = 16;
+  o.cache.num_layers = 1;
+  o.cache.num_kv_heads = KV;
+  o.cache.head_size = D;
+  o.cache.dtype = DType::kBFloat16;
+  o.attention_threads = 1;
+  o.attention_kernel_hook = [&] {
+    if (hold.exchange(false)) {
+      in_kernel.set_value();
+      released.wait();
+    }
+  };
+  absl::StatusOr<std::unique_ptr<Engine>> created = Engine::Create(o);
+  ASSERT_TRUE(created.ok()) << created.status();
+  Engine& e = **created;
+  absl::StatusOr<AllocateResult> a = e.AllocateBlocks({{1, 48}});
+  ASSERT_TRUE(a.ok()) << a.status();
+  const std::vector<BlockId> table = a->sequences[0].block_table;
+  ASSERT_EQ(table.size(), 3u);
+  ASSERT_TRUE(e.AllocateBlocks({{5, 16}}).ok());  // retried below: a no-op
+  BatchSpec spec;
+  spec.rows = {Row(1, 40, 0)};
+  absl::StatusOr<CreateBatchResult> batch = e.CreateBatch(spec, {}, false);
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  // The prompt's step, then a decode step at position 40, in table[2].
+  ASSERT_TRUE(e.AdvanceStep(batch->batch_id, Sampled({7}), false, false).ok());
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int> bits(0x3c00, 0x3f7f);  // bf16 0.0078..1
+  auto random_bf16 = [&](const Shape& shape) {
+    Tensor t = *Tensor::Zeros(CpuDevice(), DType::kBFloat16, shape);
+    uint16_t* p = t.data<uint16_t>();
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      p[i] = static_cast<uint16_t>(bits(rng) | (i % 3 == 0 ? 0x8000 : 0));
+    }
+    return t;
+  };
+  AttentionRequest req;
+  req.query = random_bf16({1, H, D});
+  req.key = random_bf16({1, KV, D});
+  req.value = random_bf16({1, KV, D});
+  auto bytes = [](const Tensor& t) {
+    const auto* b = static_cast<const uint8_t*>(t.raw_data());
+    return std::vector<uint8_t>(b, b + t.nbytes());
+  };
+  absl::StatusOr<Tensor> alone = e.PagedAttention(batch->batch_id, req);
+  ASSERT_TRUE(alone.ok()) << alone.status();
+
+  hold = true;
+  absl::StatusOr<Tensor> during;
+  std::thread attention(
+      [&] { during = e.PagedAttention(batch->batch_id, req); });
+  ASSERT_EQ(kernel_reached.wait_for(std::chrono::seconds(60)),
+            std::future_status::ready);
+  // The control calls run on a thread of their own, so that a lock held
+  // through the kernel fails the test rather than hanging it.
+  size_t copies = 0;
+  std::promise<void> control_done;
+  std::future<void> control_back = control_done.get_future();
+  std::thread control([&] {
+    // A fork shares the blocks the kernel reads; the child's growth copies
+    // the shared partial one (table[2]) into a fresh block.
+    EXPECT_TRUE(e.ForkSequence(1, std::vector<SeqId>{3}).ok());
+    absl::StatusOr<AllocateResult> grow = e.AllocateBlocks({{3, 48}});
+    EXPECT_TRUE(grow.ok()) << grow.status();
+    if (grow.ok()) copies = grow->sequences[0].copies.size();
+    // Freed: table[0] and table[1] stay the child's, table[2] goes back.
+    absl::StatusOr<FreeResult> freed = e.FreeSequences(std::vector<SeqId>{1});
+    EXPECT_TRUE(freed.ok()) << freed.status();
+    EXPECT_TRUE(e.AllocateBlocks({{5, 16}}).ok());  // takes no block
+    int64_t needed = 0;
+    EXPECT_TRUE(e.CanAllocate({{4, 16}}, &needed).ok());
+    // Released, table[2] counts as available: it is, once the kernel is
+    // done, and an allocation waits that long for it.
+    EXPECT_EQ(e.Info().free_blocks, 16 - 3 - 1 - 1 + 1);
+    control_done.set_value();
+  });
+  const bool came_back = control_back.wait_for(std::chrono::seconds(60)) ==
+                         std::future_status::ready;
+  EXPECT_TRUE(came_back) << "control calls waited for the attention kernel";
+  // An allocation that needs a fresh block while table[2], released, is
+  // still read waits for the kernel. (Had it not waited, it would have
+  // taken table[2] by now: 100 ms is only how long this looks.)
+  std::atomic<bool> allocated{false};
+  absl::StatusOr<AllocateResult> later;
+  std::thread waiter;
+  if (came_back) {
+    waiter = std::thread([&] {
+      later = e.AllocateBlocks({{4, 16}});
+      allocated = true;
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    EXPECT_FALSE(allocated.load());
+  }
+  release.set_value();
+  attention.join();
+  control.join();
+  if (waiter.joinable()) waiter.join();
+  EXPECT_EQ(copies, 1u);
+  ASSERT_TRUE(during.ok()) << during.status();
+  EXPECT_EQ(bytes(*during), bytes(*alone));
+  ASSERT_TRUE(later.ok()) << later.status();
+  // What it would have taken with no attention call in flight: the block
+  // released last (LIFO).
+  EXPECT_THAT(later->sequences[0].new_blocks, ElementsAre(table[2]));
+  EXPECT_TRUE(e.CheckInvariants().ok()) << e.CheckInvariants();
+  ASSERT_TRUE(e.FreeSequences(std::vector<SeqId>{3, 4, 5}).ok());
+  EXPECT_EQ(e.Info().free_blocks, 16);
 }
 
 }  // namespace
