@@ -8,7 +8,7 @@
 //
 //   build/bench/rpc_bench [--rounds=3000] [--rows=64] [--target=ADDR]
 //       [--attention_context=N [--background_attention]]
-//       [--attention_idle_poll_us=N]
+//       [--attention_threads=N] [--attention_idle_poll_us=N]
 // Without --target, a server is started in this process on a unix socket.
 //
 // --attention_context=N (N a multiple of 16, at least 1024) adds a
@@ -26,11 +26,12 @@
 // as long as the rounds run, instead of once a round: the control RPCs
 // then meet an attention call in flight, as a scheduler's do when it plans
 // the next step while the model runner's layers attend. The in-process
-// server then runs attention on one thread (--attention_threads=1), so
-// that the other core is left to gRPC and this client, and the series
-// shows what a call in flight costs the control path rather than what two
-// cores shared three ways cost it. "attention calls" is how many the loop
-// made.
+// server then runs attention on one thread unless --attention_threads
+// says otherwise, so that one core is the kernel's and the other is left
+// to the server's gRPC threads and this client: the series then shows
+// what a call in flight costs the control path, on top of what sharing
+// the cores costs it (with the server's default of a thread a core, the
+// kernel takes both). "attention calls" is how many the loop made.
 //
 // --prefill_tokens=N (N > 0) then times a prefill PagedAttention call of N
 // tokens as the demo sends one: one row attending over its own N tokens,
@@ -75,6 +76,9 @@ ABSL_FLAG(int64_t, attention_idle_poll_us, -1,
 ABSL_FLAG(bool, background_attention, false,
           "with --attention_context: the attention call in a loop on its own "
           "client and thread while the rounds run, not in the rounds");
+ABSL_FLAG(int, attention_threads, -1,
+          "the in-process server's --attention_threads (-1: 1 with "
+          "--background_attention, else the server's default)");
 ABSL_FLAG(int64_t, prefill_tokens, 0,
           "tokens of a prefill PagedAttention call timed against the engine "
           "called directly (0: none)");
@@ -252,7 +256,12 @@ int main(int argc, char** argv) {
     if (attention) o.engine.cache.dtype = kvstep::DType::kBFloat16;
     o.engine.attention_idle_poll_us =
         absl::GetFlag(FLAGS_attention_idle_poll_us);
-    if (background) o.engine.attention_threads = 1;
+    const int threads = absl::GetFlag(FLAGS_attention_threads);
+    if (threads >= 0) {
+      o.engine.attention_threads = threads;
+    } else if (background) {
+      o.engine.attention_threads = 1;
+    }
     auto s = kvstep::Server::Start(o);
     if (!s.ok()) {
       std::fprintf(stderr, "%s\n", s.status().ToString().c_str());
