@@ -1,15 +1,26 @@
 // stress_client: one scheduler-like client for process_test. It opens a
 // session and runs random operations (allocate with shared prompt stems,
-// grow, fork, batch, numbered AdvanceStep with retries, free) against a
-// kvstep server until --iterations are done (then it frees everything and
-// closes its session) or until it is killed (then the server must reclaim
-// everything when the session lapses).
+// grow, fork, batch, PagedAttention and numbered AdvanceStep with retries,
+// free) against a kvstep server until --iterations are done (then it frees
+// everything and closes its session) or until it is killed (then the
+// server must reclaim everything when the session lapses). Several of
+// them run at once, so one client's control calls meet another's
+// attention kernel in flight (Engine: the kernel runs outside the lock,
+// on pinned blocks).
+//
+// The server's cache must be float16 with 1 KV head of head size 16 (as
+// process_test makes it). Every K and V element any client writes is in
+// (-1, 1), and every slot attention reads was written by some client or
+// is still zero, so every output element is a weighted mean of values in
+// [-1, 1]: a reply with one outside (or an Inf or NaN) is a wrong one.
 //
 //   stress_client --target=unix:/tmp/k.sock --seed=3 --iterations=300
 //
 // Exit 0 when every reply was one a correct server may give; 1 otherwise.
 // RESOURCE_EXHAUSTED is expected (the pool is shared and small).
+#include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -34,6 +45,40 @@ int Bad(const std::string& what, const absl::Status& s) {
 
 bool Tolerated(const absl::Status& s) {
   return s.ok() || s.code() == absl::StatusCode::kResourceExhausted;
+}
+
+// A FLOAT16 [n, heads, 16] tensor of random values in (-1, 1): exponents
+// up to 14 (2^-1), so no bit pattern reaches 1.0 (0x3c00).
+kvstep::v1::Tensor RandomHalves(std::mt19937_64& rng, int64_t n,
+                                int64_t heads) {
+  kvstep::v1::Tensor t;
+  t.set_dtype(kvstep::v1::DTYPE_FLOAT16);
+  t.add_shape(n);
+  t.add_shape(heads);
+  t.add_shape(16);
+  std::string bytes(static_cast<size_t>(n * heads * 16 * 2), '\0');
+  for (size_t i = 0; i < bytes.size(); i += 2) {
+    const auto h = static_cast<uint16_t>((rng() & 0x8000) | (rng() % 0x3c00));
+    std::memcpy(&bytes[i], &h, 2);
+  }
+  t.set_data(std::move(bytes));
+  return t;
+}
+
+// Whether `out` is FLOAT16 [n, 2, 16] with every element in [-1, 1] (an
+// Inf or NaN has a larger magnitude's bits).
+bool MeansOfValues(const kvstep::v1::Tensor& out, int64_t n) {
+  if (out.dtype() != kvstep::v1::DTYPE_FLOAT16 || out.shape_size() != 3 ||
+      out.shape(0) != n || out.shape(1) != 2 || out.shape(2) != 16 ||
+      static_cast<int64_t>(out.data().size()) != n * 2 * 16 * 2) {
+    return false;
+  }
+  for (size_t i = 0; i < out.data().size(); i += 2) {
+    uint16_t h;
+    std::memcpy(&h, out.data().data() + i, 2);
+    if ((h & 0x7fff) > 0x3c00) return false;
+  }
+  return true;
 }
 
 }  // namespace
@@ -115,6 +160,23 @@ int main(int argc, char** argv) {
           client->CreateBatch(cb);
       if (!b.ok()) return Bad("CreateBatch", b.status());
       for (int64_t step = 1; step <= 3; ++step) {
+        // The step's forward pass: its tokens' K/V written, attention over
+        // the row (2 query heads over the 1 KV head).
+        const int64_t n = step == 1 ? row->token_ids_size() : 1;
+        kvstep::v1::PagedAttentionRequest attn;
+        attn.set_batch_id(b->batch_id());
+        *attn.mutable_query() = RandomHalves(rng, n, 2);
+        *attn.mutable_key() = RandomHalves(rng, n, 1);
+        *attn.mutable_value() = RandomHalves(rng, n, 1);
+        absl::StatusOr<kvstep::v1::PagedAttentionResponse> out =
+            client->PagedAttention(attn);
+        if (!out.ok()) return Bad("PagedAttention", out.status());
+        if (!MeansOfValues(out->out(), n)) {
+          return Bad("PagedAttention",
+                     absl::InternalError(absl::StrCat(
+                         "an output that is not a mean of the values: ",
+                         out->out().ShortDebugString().substr(0, 200))));
+        }
         kvstep::v1::AdvanceStepRequest adv;
         adv.set_batch_id(b->batch_id());
         adv.set_step(step);
