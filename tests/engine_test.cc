@@ -40,6 +40,37 @@ std::unique_ptr<Engine> MakeEngine(int64_t num_blocks, int64_t block_size = 16,
   return *std::move(e);
 }
 
+// A bf16 tensor of random values of magnitude 0.0078..1, a third of them
+// negative.
+Tensor RandomBf16(std::mt19937& rng, const Shape& shape) {
+  std::uniform_int_distribution<int> bits(0x3c00, 0x3f7f);
+  Tensor t = *Tensor::Zeros(CpuDevice(), DType::kBFloat16, shape);
+  uint16_t* p = t.data<uint16_t>();
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    p[i] = static_cast<uint16_t>(bits(rng) | (i % 3 == 0 ? 0x8000 : 0));
+  }
+  return t;
+}
+
+// One layer of bf16 K/V in blocks of 16, attention on the calling thread.
+EngineOptions Bf16AttentionOptions(int64_t num_blocks, int64_t kv_heads,
+                                   int64_t head_size) {
+  EngineOptions o;
+  o.cache.num_blocks = num_blocks;
+  o.cache.block_size = 16;
+  o.cache.num_layers = 1;
+  o.cache.num_kv_heads = kv_heads;
+  o.cache.head_size = head_size;
+  o.cache.dtype = DType::kBFloat16;
+  o.attention_threads = 1;
+  return o;
+}
+
+std::vector<uint8_t> Bytes(const Tensor& t) {
+  const auto* b = static_cast<const uint8_t*>(t.raw_data());
+  return std::vector<uint8_t>(b, b + t.nbytes());
+}
+
 BatchRowSpec Row(SeqId id, int64_t num_tokens, int64_t cached,
                  bool skip = false) {
   BatchRowSpec r;
@@ -542,19 +573,10 @@ TEST(EngineOptions, AttentionIdlePollRange) {
 TEST(EngineOptions, AttentionPrefetchIsReportedAndChangesNoResult) {
   const int64_t T = 40, H = 8, KV = 2, D = 128;
   std::mt19937 rng(7);
-  std::uniform_int_distribution<int> bits(0x3c00, 0x3f7f);  // bf16 0.0078..1
-  auto random_bf16 = [&](const Shape& shape) {
-    Tensor t = *Tensor::Zeros(CpuDevice(), DType::kBFloat16, shape);
-    uint16_t* p = t.data<uint16_t>();
-    for (int64_t i = 0; i < t.numel(); ++i) {
-      p[i] = static_cast<uint16_t>(bits(rng) | (i % 3 == 0 ? 0x8000 : 0));
-    }
-    return t;
-  };
   AttentionRequest req;
-  req.query = random_bf16({T, H, D});
-  req.key = random_bf16({T, KV, D});
-  req.value = random_bf16({T, KV, D});
+  req.query = RandomBf16(rng, {T, H, D});
+  req.key = RandomBf16(rng, {T, KV, D});
+  req.value = RandomBf16(rng, {T, KV, D});
   AttentionRows rows;
   rows.query_start = {0, T};
   rows.seq_lens = {T};
@@ -569,14 +591,7 @@ TEST(EngineOptions, AttentionPrefetchIsReportedAndChangesNoResult) {
   for (auto hint :
        {AttentionParams::Prefetch::kAuto, AttentionParams::Prefetch::kNta,
         AttentionParams::Prefetch::kT0, AttentionParams::Prefetch::kT1}) {
-    EngineOptions o;
-    o.cache.num_blocks = 8;
-    o.cache.block_size = 16;
-    o.cache.num_layers = 1;
-    o.cache.num_kv_heads = KV;
-    o.cache.head_size = D;
-    o.cache.dtype = DType::kBFloat16;
-    o.attention_threads = 1;
+    EngineOptions o = Bf16AttentionOptions(8, KV, D);
     o.attention_prefetch = hint;
     absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(o);
     ASSERT_TRUE(e.ok()) << e.status();
@@ -600,8 +615,7 @@ TEST(EngineOptions, AttentionPrefetchIsReportedAndChangesNoResult) {
                   BestLongRowRanges(DType::kBFloat16, CacheLayout::kVllm));
     absl::StatusOr<Tensor> out = (*e)->PagedAttentionExplicit(req, rows, slots);
     ASSERT_TRUE(out.ok()) << out.status();
-    const auto* b = static_cast<const uint8_t*>(out->raw_data());
-    std::vector<uint8_t> bytes(b, b + out->nbytes());
+    const std::vector<uint8_t> bytes = Bytes(*out);
     if (first.empty()) {
       first = bytes;
     } else {
@@ -782,14 +796,7 @@ TEST(EngineConcurrency, ControlCallsRunBesideAnAttentionKernel) {
   std::future<void> kernel_reached = in_kernel.get_future();
   const std::shared_future<void> released = release.get_future().share();
   std::atomic<bool> hold{false};
-  EngineOptions o;
-  o.cache.num_blocks = 16;
-  o.cache.block_size = 16;
-  o.cache.num_layers = 1;
-  o.cache.num_kv_heads = KV;
-  o.cache.head_size = D;
-  o.cache.dtype = DType::kBFloat16;
-  o.attention_threads = 1;
+  EngineOptions o = Bf16AttentionOptions(16, KV, D);
   o.attention_kernel_hook = [&] {
     if (hold.exchange(false)) {
       in_kernel.set_value();
@@ -811,23 +818,10 @@ TEST(EngineConcurrency, ControlCallsRunBesideAnAttentionKernel) {
   // The prompt's step, then a decode step at position 40, in table[2].
   ASSERT_TRUE(e.AdvanceStep(batch->batch_id, Sampled({7}), false, false).ok());
   std::mt19937 rng(11);
-  std::uniform_int_distribution<int> bits(0x3c00, 0x3f7f);  // bf16 0.0078..1
-  auto random_bf16 = [&](const Shape& shape) {
-    Tensor t = *Tensor::Zeros(CpuDevice(), DType::kBFloat16, shape);
-    uint16_t* p = t.data<uint16_t>();
-    for (int64_t i = 0; i < t.numel(); ++i) {
-      p[i] = static_cast<uint16_t>(bits(rng) | (i % 3 == 0 ? 0x8000 : 0));
-    }
-    return t;
-  };
   AttentionRequest req;
-  req.query = random_bf16({1, H, D});
-  req.key = random_bf16({1, KV, D});
-  req.value = random_bf16({1, KV, D});
-  auto bytes = [](const Tensor& t) {
-    const auto* b = static_cast<const uint8_t*>(t.raw_data());
-    return std::vector<uint8_t>(b, b + t.nbytes());
-  };
+  req.query = RandomBf16(rng, {1, H, D});
+  req.key = RandomBf16(rng, {1, KV, D});
+  req.value = RandomBf16(rng, {1, KV, D});
   absl::StatusOr<Tensor> alone = e.PagedAttention(batch->batch_id, req);
   ASSERT_TRUE(alone.ok()) << alone.status();
 
@@ -883,7 +877,7 @@ TEST(EngineConcurrency, ControlCallsRunBesideAnAttentionKernel) {
   if (waiter.joinable()) waiter.join();
   EXPECT_EQ(copies, 1u);
   ASSERT_TRUE(during.ok()) << during.status();
-  EXPECT_EQ(bytes(*during), bytes(*alone));
+  EXPECT_EQ(Bytes(*during), Bytes(*alone));
   ASSERT_TRUE(later.ok()) << later.status();
   // What it would have taken with no attention call in flight: the block
   // released last (LIFO).
