@@ -161,6 +161,7 @@ EngineInfo Engine::Info() const {
   info.num_batches = static_cast<int64_t>(batches_.size());
   info.num_sessions = static_cast<int64_t>(sessions_.size());
   info.sessions_expired = sessions_expired_;
+  info.pin_waits = pin_waits_;
   // The vLLM layout's decode path is chosen per CPU for the cache's dtype
   // and block size (AttentionParams::vllm_rows; rows only in the AVX-512
   // build): said, since it moves a decode step's attention time by 3-7%
@@ -401,6 +402,7 @@ absl::StatusOr<AllocateResult> Engine::AllocateBlocks(
   // First, as waiting lets other calls in: a call that takes fresh blocks
   // waits while an attention call in flight reads released ones (a no-op
   // retry or a growth inside the blocks held does not).
+  bool waited = false;
   while (allocator_.num_pinned_unowned() > 0) {
     int64_t needed = 0, fresh = 0;
     bool never = false;
@@ -408,6 +410,8 @@ absl::StatusOr<AllocateResult> Engine::AllocateBlocks(
         fresh == 0) {
       break;  // Allocate reports the error, or takes no block
     }
+    if (!waited) ++pin_waits_;
+    waited = true;
     WaitForPinsLocked(/*once=*/true);
   }
   if (absl::Status s = UseSessionLocked(caller); !s.ok()) return s;
@@ -556,7 +560,10 @@ absl::StatusOr<SwapOutcome> Engine::Swap(absl::Span<const SeqId> ids, bool out,
                                          const Caller& caller) {
   MutexLock lock(&mu_);
   // SwapIn takes fresh device blocks; first, as waiting lets other calls in.
-  if (!out) WaitForPinsLocked(/*once=*/false);
+  if (!out && allocator_.num_pinned_unowned() > 0) {
+    ++pin_waits_;
+    WaitForPinsLocked(/*once=*/false);
+  }
   if (absl::Status s = AdmitSeqIdsLocked(ids, caller); !s.ok()) return s;
   SwapResult r;
   absl::Status s = out ? seqs_.SwapOut(ids, &r) : seqs_.SwapIn(ids, &r);

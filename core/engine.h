@@ -160,6 +160,9 @@ struct EngineInfo {
   int64_t num_batches = 0;
   int64_t num_sessions = 0;
   int64_t sessions_expired = 0;  // since start
+  // Allocating calls (AllocateBlocks, SwapIn) that waited for an attention
+  // call in flight, which read a block freed meanwhile; since start.
+  int64_t pin_waits = 0;
   BlockStats stats;
   // PagedAttention's instruction set and prefetch hint, resolved.
   std::string attention_kernel;
@@ -431,6 +434,7 @@ class Engine {
   absl::flat_hash_map<BatchId, StepRecord> last_steps_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
   int64_t sessions_expired_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t pin_waits_ ABSL_GUARDED_BY(mu_) = 0;  // EngineInfo::pin_waits
 };
 
 }  // namespace kvstep

@@ -109,6 +109,10 @@ class EngineCollector : public prometheus::Collectable {
     counter("kvstep_sessions_expired_total",
             "Sessions ended because their TTL lapsed",
             static_cast<double>(info.sessions_expired));
+    counter("kvstep_attention_pin_waits_total",
+            "AllocateBlocks and SwapIn calls that waited for a PagedAttention "
+            "call in flight (it read a block freed meanwhile)",
+            static_cast<double>(info.pin_waits));
     counter("kvstep_prefix_cache_queries_total",
             "Prompt tokens looked up in the prefix cache",
             static_cast<double>(st.prefix_query_tokens));

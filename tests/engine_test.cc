@@ -847,6 +847,7 @@ TEST(EngineConcurrency, ControlCallsRunBesideAnAttentionKernel) {
     absl::StatusOr<FreeResult> freed = e.FreeSequences(std::vector<SeqId>{1});
     EXPECT_TRUE(freed.ok()) << freed.status();
     EXPECT_TRUE(e.AllocateBlocks({{5, 16}}).ok());  // takes no block
+    EXPECT_EQ(e.Info().pin_waits, 0);
     int64_t needed = 0;
     EXPECT_TRUE(e.CanAllocate({{4, 16}}, &needed).ok());
     // Released, table[2] counts as available: it is, once the kernel is
@@ -882,6 +883,7 @@ TEST(EngineConcurrency, ControlCallsRunBesideAnAttentionKernel) {
   // What it would have taken with no attention call in flight: the block
   // released last (LIFO).
   EXPECT_THAT(later->sequences[0].new_blocks, ElementsAre(table[2]));
+  EXPECT_EQ(e.Info().pin_waits, 1);
   EXPECT_TRUE(e.CheckInvariants().ok()) << e.CheckInvariants();
   ASSERT_TRUE(e.FreeSequences(std::vector<SeqId>{3, 4, 5}).ok());
   EXPECT_EQ(e.Info().free_blocks, 16);

@@ -427,6 +427,7 @@ TEST(Metrics, ExportsPoolGaugesAndPerRpcCountsAndLatencies) {
   EXPECT_THAT(text, HasSubstr("kvstep_blocks{state=\"free\"} 192\n"));
   EXPECT_THAT(text, HasSubstr("\nkvstep_sequences 1\n"));
   EXPECT_THAT(text, HasSubstr("\nkvstep_sessions 1\n"));
+  EXPECT_THAT(text, HasSubstr("\nkvstep_attention_pin_waits_total 0\n"));
   EXPECT_THAT(text, HasSubstr("kvstep_rpc_requests_total{code=\"OK\",rpc="
                               "\"AllocateBlocks\"} 1\n"));
   EXPECT_THAT(text, HasSubstr("kvstep_rpc_requests_total{code=\"NOT_FOUND\","
