@@ -364,28 +364,30 @@ int main(int argc, char** argv) {
         attention_calls.fetch_add(1, std::memory_order_relaxed);
       }
     });
-    // Its first call under way before the first round.
+    // Its first call back (the pool's pages touched) before the first round.
     while (attention_calls.load() == 0 && !attention_failed.load()) {
       absl::SleepFor(absl::Milliseconds(1));
     }
   }
+  auto stop_loop = [&] {
+    stop = true;
+    if (attention_loop.joinable()) attention_loop.join();
+  };
   for (int r = 0; r < rounds; ++r) {
     for (Series& s : series) {
       const absl::Time t = absl::Now();
       if (!s.call()) {
         std::fprintf(stderr, "%s failed\n", s.name.c_str());
+        stop_loop();
         return 1;
       }
       s.us.push_back(absl::ToDoubleMicroseconds(absl::Now() - t));
     }
   }
-  if (background) {
-    stop = true;
-    attention_loop.join();
-    if (attention_failed) {
-      std::fprintf(stderr, "the background PagedAttention call failed\n");
-      return 1;
-    }
+  stop_loop();
+  if (attention_failed) {
+    std::fprintf(stderr, "the background PagedAttention call failed\n");
+    return 1;
   }
   const double ping = Quantile(series[0].us, 0.5);
   std::printf("%-44s %9s %9s %9s\n", "call", "p50 us", "p90 us", "p50/ping");
