@@ -1,6 +1,7 @@
 // Core AdvanceStep speed: the kernel alone (explicit mode) and a server-held
 // step through the Engine (lock, table checks, derived tensors), for batch
 // sizes 1 to 1024. Run: build/bench/advance_step_bench
+#include <algorithm>
 #include <vector>
 
 #include "benchmark/benchmark.h"
@@ -10,7 +11,7 @@
 namespace kvstep {
 namespace {
 
-Tensor Filled(DType dtype, Shape shape, int64_t value) {
+Tensor Filled(DType dtype, const Shape& shape, int64_t value) {
   Tensor t = *Tensor::Zeros(CpuDevice(), dtype, shape);
   for (int64_t i = 0; i < t.numel(); ++i) {
     if (dtype == DType::kInt32) {
@@ -47,10 +48,13 @@ void BM_KernelExplicit(benchmark::State& state) {
 }
 BENCHMARK(BM_KernelExplicit)->RangeMultiplier(4)->Range(1, 1024);
 
+// Arguments: rows, and tokens allocated to each row up front (a
+// scheduler that allocates ahead; a step's cost must not grow with it).
 void BM_EngineServerHeld(benchmark::State& state) {
   const int64_t n = state.range(0);
+  const int64_t tokens = state.range(1);
   EngineOptions o;
-  o.cache.num_blocks = 1 << 16;
+  o.cache.num_blocks = std::max<int64_t>(int64_t{1} << 16, n * tokens / 16);
   o.cache.block_size = 16;
   o.cache.num_layers = 1;
   o.cache.num_kv_heads = 1;
@@ -59,7 +63,7 @@ void BM_EngineServerHeld(benchmark::State& state) {
   std::vector<SequenceRequest> req;
   BatchSpec spec;
   for (int64_t i = 0; i < n; ++i) {
-    req.push_back({static_cast<SeqId>(i), 1024});
+    req.push_back({static_cast<SeqId>(i), tokens});
     BatchRowSpec row;
     row.seq_id = static_cast<SeqId>(i);
     row.token_ids = {1};
@@ -71,7 +75,7 @@ void BM_EngineServerHeld(benchmark::State& state) {
   BatchId id = engine->CreateBatch(spec, {}, false)->batch_id;
   int64_t steps = 0;
   for (auto _ : state) {
-    if (++steps == 1000) {  // stay inside the 1024 allocated tokens
+    if (++steps == 1000) {  // stay inside the allocated tokens
       state.PauseTiming();
       id = engine->CreateBatch(spec, std::vector<BatchId>{id}, false)->batch_id;
       steps = 0;
@@ -81,7 +85,10 @@ void BM_EngineServerHeld(benchmark::State& state) {
   }
   state.SetItemsProcessed(state.iterations() * n);
 }
-BENCHMARK(BM_EngineServerHeld)->RangeMultiplier(4)->Range(1, 1024);
+BENCHMARK(BM_EngineServerHeld)
+    ->ArgsProduct({{1, 4, 16, 64, 256, 1024}, {1024}})
+    ->Args({64, 8192})
+    ->Args({256, 8192});
 
 }  // namespace
 }  // namespace kvstep

@@ -226,21 +226,21 @@ class Stepper {
                              "at least %d tokens first",
                              pos, c, args_.row_owned_blocks[i], pos + 1));
     }
-    if (static_cast<size_t>(i) < args_.row_first_writable.size() &&
-        c < args_.row_first_writable[i]) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          Row(i),
-          absl::StrFormat(": position %d is in block %d of the sequence, "
-                          "which is shared with another sequence: call "
-                          "AllocateBlocks first (it copies the block)",
-                          pos, c)));
-    }
     const int64_t block = static_cast<int64_t>(tables_[i * width_ + c]);
     if (block < 0 || (args_.num_blocks > 0 && block >= args_.num_blocks)) {
       return OutOfRange(
           i, absl::StrFormat("block_tables[%d][%d] = %d is not a block of the "
                              "pool [0, %d)",
                              i, c, block, args_.num_blocks));
+    }
+    if (static_cast<size_t>(block) < args_.block_ref_counts.size() &&
+        args_.block_ref_counts[static_cast<size_t>(block)] > 1) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          Row(i),
+          absl::StrFormat(": position %d is in block %d of the sequence, "
+                          "which is shared with another sequence: call "
+                          "AllocateBlocks first (it copies the block)",
+                          pos, c)));
     }
     int64_t s;
     if (__builtin_mul_overflow(block, bs, &s) ||

@@ -52,10 +52,12 @@ struct AdvanceStepArgs {
   // really owns. A position needing a table entry at or past it is
   // OUT_OF_RANGE even when the padded table has a (zero) entry there.
   absl::Span<const int64_t> row_owned_blocks;
-  // When not empty (one entry per real row): the first table entry the row
-  // may write; earlier blocks are shared with other sequences, and a
-  // position in one is FAILED_PRECONDITION (AllocateBlocks copies them).
-  absl::Span<const int64_t> row_first_writable;
+  // When not empty: each pool block's reference count (BlockAllocator's),
+  // indexed by block id. A position in a block counted more than once is
+  // shared with another sequence and FAILED_PRECONDITION (AllocateBlocks
+  // copies it first). Looking up only the blocks a step writes keeps the
+  // check at O(tokens written), whatever the rows' lengths.
+  absl::Span<const int32_t> block_ref_counts;
   // When not empty: the sequence id of each real row, named in errors.
   absl::Span<const uint64_t> row_seq_ids;
 };

@@ -266,7 +266,7 @@ void Batch::RecomputeDecodeDerived(int64_t q) {
 
 absl::Status Batch::Advance(const AdvanceInput& in,
                             absl::Span<const int64_t> owned_blocks,
-                            absl::Span<const int64_t> first_writable,
+                            absl::Span<const int32_t> block_ref_counts,
                             int64_t num_blocks, FlashInferOutputs* flashinfer) {
   const int64_t nq = meta_.num_queries;
   if (absl::Status s = CheckLive(); !s.ok()) return s;
@@ -295,13 +295,13 @@ absl::Status Batch::Advance(const AdvanceInput& in,
   args.spec_token = in.spec_token;
   args.accepted_num = in.accepted_num;
   args.num_blocks = num_blocks;
+  args.block_ref_counts = block_ref_counts;
 
   if (decode_form_ && q_new == q_) {
     // The common step: in place.
     args.num_seqs = meta_.num_seqs;
     args.num_queries = nq;
     args.row_owned_blocks = owned_blocks;
-    args.row_first_writable = first_writable;
     args.row_seq_ids = seq_ids_;
     if (absl::Status s = AdvanceStep(args, &t_.state, flashinfer); !s.ok()) {
       return s;
@@ -348,7 +348,6 @@ absl::Status Batch::Advance(const AdvanceInput& in,
   // position (read by speculative mode).
   const int32_t* old_qsl = t_.query_start_loc.data<int32_t>();
   std::vector<int64_t> owned2(nq2);
-  std::vector<int64_t> writable2(nq2, 0);
   std::vector<SeqId> ids2(nq2);
   for (int64_t r = 0; r < n2; ++r) {
     const bool real = r < nq2;
@@ -364,16 +363,12 @@ absl::Status Batch::Advance(const AdvanceInput& in,
       owned2[r] = old < static_cast<int64_t>(owned_blocks.size())
                       ? owned_blocks[old]
                       : std::numeric_limits<int64_t>::max();
-      if (old < static_cast<int64_t>(first_writable.size())) {
-        writable2[r] = first_writable[old];
-      }
       ids2[r] = seq_ids_[old];
     }
   }
   args.num_seqs = n2;
   args.num_queries = nq2;
   args.row_owned_blocks = owned2;
-  args.row_first_writable = writable2;
   args.row_seq_ids = ids2;
   if (absl::Status s = AdvanceStep(args, &nt.state, flashinfer); !s.ok()) {
     return s;

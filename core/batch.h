@@ -121,14 +121,15 @@ class Batch {
   void set_session(SessionId s) { session_ = s; }
 
   // Advances one step (SEMANTICS §2-§5). owned_blocks[i] is the number of
-  // blocks row i's sequence owns now, first_writable[i] the first of them it
-  // owns alone. A batch with prefill rows becomes a
+  // blocks row i's sequence owns now; block_ref_counts is the pool's
+  // reference count of each block (a step may not write a shared block).
+  // A batch with prefill rows becomes a
   // decode batch of its sampled rows (in order) plus its padding rows.
   // FAILED_PRECONDITION for a stale row, a batch with no sampled row, or
   // speculative mode on a batch with prefill rows; otherwise as AdvanceStep.
   absl::Status Advance(const AdvanceInput& in,
                        absl::Span<const int64_t> owned_blocks,
-                       absl::Span<const int64_t> first_writable,
+                       absl::Span<const int32_t> block_ref_counts,
                        int64_t num_blocks, FlashInferOutputs* flashinfer);
 
   // An independent copy of the tensors (for returning them).

@@ -187,6 +187,9 @@ class BlockAllocator {
   int64_t num_pinned_unowned() const { return num_pinned_unowned_; }
 
   int32_t RefCount(BlockId id) const { return ref_counts_[id]; }
+  // Every block's RefCount, indexed by id; valid until the next call that
+  // changes a count.
+  absl::Span<const int32_t> ref_counts() const { return ref_counts_; }
   bool IsValid(int64_t id) const { return id >= 0 && id < num_blocks(); }
   bool IsOnFreeList(BlockId id) const;
 

@@ -646,17 +646,23 @@ absl::StatusOr<CreateBatchResult> Engine::CreateBatch(
       return absl::FailedPreconditionError(absl::StrFormat(
           "rows[%d]: seq %d is swapped out: SwapIn first", i, r.seq_id));
     }
-    // The row writes positions from num_cached_tokens on: none of them may
-    // be in a block another sequence shares.
-    const int64_t first_block = r.num_cached_tokens / cfg.block_size;
-    const int64_t exclusive = seqs_.FirstExclusiveBlock(*seq);
-    if (r.num_cached_tokens >= 0 && first_block < exclusive &&
-        !r.token_ids.empty()) {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "rows[%d] (seq %d): position %d is in block %d of the sequence, "
-          "which is shared with another sequence: call AllocateBlocks first "
-          "(it copies the block)",
-          i, r.seq_id, r.num_cached_tokens, first_block));
+    // The row writes positions num_cached_tokens .. + len(token_ids) - 1:
+    // none of them may be in a block another sequence shares. (A negative
+    // or overflowing count is refused by Batch::Create with its reason.)
+    const int64_t len = static_cast<int64_t>(r.token_ids.size());
+    if (r.num_cached_tokens >= 0 && len > 0 &&
+        r.num_cached_tokens <= std::numeric_limits<int64_t>::max() - len) {
+      const int64_t shared = seqs_.FirstSharedBlock(
+          *seq, r.num_cached_tokens / cfg.block_size,
+          (r.num_cached_tokens + len - 1) / cfg.block_size + 1);
+      if (shared >= 0) {
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "rows[%d] (seq %d): position %d is in block %d of the sequence, "
+            "which is shared with another sequence: call AllocateBlocks "
+            "first (it copies the block)",
+            i, r.seq_id, std::max(r.num_cached_tokens, shared * cfg.block_size),
+            shared));
+      }
     }
     rows[i].blocks = seq->blocks;
     rows[i].num_tokens = seq->num_tokens;
@@ -804,30 +810,34 @@ absl::StatusOr<AdvanceResult> Engine::AdvanceStep(BatchId id,
         in.step > b.step() ? "a step was skipped" : "a stale retry"));
   }
   const std::vector<SeqId> before = b.seq_ids();
+  // Each row's sequence, looked up once: the map does not change below.
+  std::vector<Sequence*> seq_of(before.size(), nullptr);
   std::vector<int64_t> owned(before.size(), 0);
-  std::vector<int64_t> writable(before.size(), 0);
   for (size_t i = 0; i < before.size(); ++i) {
     // A freed or swapped-out sequence's row is stale and rejected by
     // Advance(); a fresh sequence reusing the id is not this row's.
     if (b.stale(static_cast<int64_t>(i))) continue;
-    const Sequence* seq = seqs_.Find(before[i]);
-    owned[i] = static_cast<int64_t>(seq->blocks.size());
-    writable[i] = seqs_.FirstExclusiveBlock(*seq);
+    seq_of[i] = seqs_.Find(before[i]);
+    owned[i] = static_cast<int64_t>(seq_of[i]->blocks.size());
   }
   AdvanceResult result;
-  if (absl::Status s =
-          b.Advance(in, owned, writable, cache_->config().num_blocks,
-                    flashinfer ? &result.flashinfer : nullptr);
+  if (absl::Status s = b.Advance(in, owned, allocator_.ref_counts(),
+                                 cache_->config().num_blocks,
+                                 flashinfer ? &result.flashinfer : nullptr);
       !s.ok()) {
     return s;
   }
   // Keep the sequences in step; rows dropped by a prefill turn (unsampled
-  // chunks) no longer belong to this batch.
+  // chunks) no longer belong to this batch. The rows kept are a
+  // subsequence of the rows before, in order, and ids are unique in a
+  // batch, so one walk pairs them (no stale row gets here).
   const std::vector<SeqId>& after = b.seq_ids();
   const StepState& st = b.tensors().state;
   const int64_t q = b.tokens_per_row();
-  for (size_t i = 0; i < after.size(); ++i) {
-    Sequence* seq = seqs_.Find(after[i]);
+  size_t k = 0;  // the row before the step of after[i]
+  for (size_t i = 0; i < after.size(); ++i, ++k) {
+    for (; before[k] != after[i]; ++k) seq_of[k]->LeaveBatch(id);
+    Sequence* seq = seq_of[k];
     seq->num_tokens = LoadIndex(st.seq_lens, static_cast<int64_t>(i));
     // The row's first token is a real sample; speculative drafts after it
     // are recorded but not cached (they may be rejected).
@@ -838,12 +848,7 @@ absl::StatusOr<AdvanceResult> Engine::AdvanceStep(BatchId id,
                             static_cast<size_t>(q)),
         first + 1);
   }
-  if (after.size() != before.size()) {
-    for (SeqId sid : before) {
-      if (std::find(after.begin(), after.end(), sid) != after.end()) continue;
-      seqs_.Find(sid)->LeaveBatch(id);
-    }
-  }
+  for (; k < before.size(); ++k) seq_of[k]->LeaveBatch(id);
   result.step = b.step();
   if (want_tensors) {
     absl::StatusOr<BatchSnapshot> snap = Snapshot(b);

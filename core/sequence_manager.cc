@@ -328,11 +328,13 @@ void SequenceManager::RecordTokens(Sequence* seq, int64_t first,
   RegisterFullBlocks(seq, upto);
 }
 
-int64_t SequenceManager::FirstExclusiveBlock(const Sequence& seq) const {
-  for (int64_t c = static_cast<int64_t>(seq.blocks.size()) - 1; c >= 0; --c) {
-    if (device_->RefCount(seq.blocks[c]) > 1) return c + 1;
+int64_t SequenceManager::FirstSharedBlock(const Sequence& seq, int64_t first,
+                                          int64_t last) const {
+  last = std::min(last, static_cast<int64_t>(seq.blocks.size()));
+  for (int64_t c = std::max<int64_t>(first, 0); c < last; ++c) {
+    if (device_->RefCount(seq.blocks[static_cast<size_t>(c)]) > 1) return c;
   }
-  return 0;
+  return -1;
 }
 
 absl::Status SequenceManager::Swap(absl::Span<const SeqId> ids, bool out,

@@ -150,9 +150,12 @@ class SequenceManager {
   absl::Status SwapOut(absl::Span<const SeqId> ids, SwapResult* out);
   absl::Status SwapIn(absl::Span<const SeqId> ids, SwapResult* out);
 
-  // The index of the first table entry from which every block is owned by
-  // this sequence alone: positions in earlier blocks must not be written.
-  int64_t FirstExclusiveBlock(const Sequence& seq) const;
+  // The first table entry in [first, last) (clipped to the table) whose
+  // block another sequence shares, or -1. A position in such a block must
+  // not be written until AllocateBlocks copies it. Costs the entries asked
+  // about, not the table's length.
+  int64_t FirstSharedBlock(const Sequence& seq, int64_t first,
+                           int64_t last) const;
 
   Sequence* Find(SeqId id);
   const Sequence* Find(SeqId id) const;

@@ -94,6 +94,56 @@ SequenceRequest Req(SeqId id, int64_t tokens, std::vector<int64_t> prompt = {},
   return r;
 }
 
+// A fork shares the blocks its parent has filled, not those the parent
+// allocated ahead; a step checks only the block it writes (its cost must
+// not grow with the table), and a prefill chunk the blocks it covers.
+TEST(Fork, BlocksAllocatedAheadStayTheParents) {
+  auto e = MakeEngine(32);
+  ASSERT_TRUE(e->AllocateBlocks({Req(1, 40)}).ok());  // 10 blocks ahead
+  BatchSpec s;
+  s.rows = {Row(1, Iota(5), 0)};
+  absl::StatusOr<CreateBatchResult> b = e->CreateBatch(s, {}, false);
+  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_TRUE(e->ForkSequence(1, std::vector<SeqId>{2}).ok());
+  EXPECT_EQ(e->Stats().used_blocks, 10);
+  // Position 5 is in entry 1, shared: refused, nothing changed.
+  absl::StatusOr<AdvanceResult> r =
+      e->AdvanceStep(b->batch_id, Sampled({9}), false, false);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(r.status().message()),
+              HasSubstr("position 5 is in block 1 of the sequence, which is "
+                        "shared"));
+  // A chunk starting in shared entry 0 is refused, naming its position.
+  BatchSpec chunk;
+  chunk.rows = {Row(1, {3, 4}, 3)};
+  absl::StatusOr<CreateBatchResult> c = e->CreateBatch(chunk, {}, false);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(c.status().message()),
+              HasSubstr("position 3 is in block 0 of the sequence, which is "
+                        "shared"));
+  // The parent copies entry 1 only; entry 0 stays shared.
+  absl::StatusOr<AllocateResult> a = e->AllocateBlocks({Req(1, 6)});
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_EQ(a->sequences[0].copies.size(), 1u);
+  EXPECT_EQ(e->Stats().used_blocks, 11);
+  const std::vector<BlockId> table = a->sequences[0].block_table;
+  ASSERT_EQ(table.size(), 10u);
+  // The parent steps through the rest of its table.
+  for (int64_t pos = 5; pos < 40; ++pos) {
+    r = e->AdvanceStep(b->batch_id, Sampled({9}), true, false);
+    ASSERT_TRUE(r.ok()) << "position " << pos << ": " << r.status();
+    EXPECT_THAT(Values(r->snapshot.tensors.state.slot_mapping),
+                ElementsAre(table[pos / kBs] * kBs + pos % kBs));
+  }
+  EXPECT_EQ(
+      e->AdvanceStep(b->batch_id, Sampled({9}), false, false).status().code(),
+      absl::StatusCode::kOutOfRange);  // past the 40 allocated
+  // Chunks inside the parent's own blocks are fine.
+  chunk.rows = {Row(1, {3, 4, 5, 6}, 4)};
+  EXPECT_TRUE(e->CreateBatch(chunk, {}, false).ok());
+  ASSERT_TRUE(e->CheckInvariants().ok()) << e->CheckInvariants();
+}
+
 TEST(Fork, SharesBlocksAndCopiesOnFirstWrite) {
   auto e = MakeEngine(16);
   ASSERT_TRUE(e->AllocateBlocks({Req(1, 8)}).ok());
