@@ -303,6 +303,22 @@ int main(int argc, char** argv) {
   step_tensors.set_return_tensors(true);
   const std::vector<std::pair<uint64_t, int64_t>> retry(seqs.begin(),
                                                         seqs.begin() + 1);
+  // A decode step's slot reservation for every row (vLLM's append_slots):
+  // room for the rows' tokens plus the next one. The blocks were allocated
+  // ahead, so it takes none, but it is checked and answered in full; with
+  // `omit`, as a scheduler that mirrors the tables sends it.
+  int64_t tokens_now = 1;  // each row's, after the AdvanceSteps so far
+  kvstep::v1::AllocateBlocksRequest reserve;
+  for (const auto& [id, tokens] : seqs) {
+    reserve.add_sequences()->set_seq_id(id);
+  }
+  auto Reserve = [&](bool omit) -> const kvstep::v1::AllocateBlocksRequest& {
+    reserve.set_omit_appended_tables(omit);
+    for (kvstep::v1::SequenceAllocation& a : *reserve.mutable_sequences()) {
+      a.set_num_tokens(tokens_now + 1);
+    }
+    return reserve;
+  };
 
   std::vector<Series> series = {
       {"ping (health Check)", [&] { return client->IsServing().ok(); }, {}},
@@ -310,11 +326,19 @@ int main(int argc, char** argv) {
       {"AllocateBlocks (1 seq, no-op retry)",
        [&] { return client->AllocateBlocks(retry).ok(); },
        {}},
+      {absl::StrCat("AllocateBlocks (", rows, " seqs, a step's slots)"),
+       [&] { return client->AllocateBlocks(Reserve(false)).ok(); },
+       {}},
+      {absl::StrCat("AllocateBlocks (", rows, " seqs, omit tables)"),
+       [&] { return client->AllocateBlocks(Reserve(true)).ok(); },
+       {}},
       {absl::StrCat("AdvanceStep (", rows, " rows)"),
-       [&] { return client->AdvanceStep(step).ok(); },
+       [&] { return client->AdvanceStep(step).ok() && ++tokens_now > 0; },
        {}},
       {absl::StrCat("AdvanceStep (", rows, " rows, return tensors)"),
-       [&] { return client->AdvanceStep(step_tensors).ok(); },
+       [&] {
+         return client->AdvanceStep(step_tensors).ok() && ++tokens_now > 0;
+       },
        {}},
   };
   // One decode token over attn_ctx cached tokens, in explicit mode; the

@@ -397,7 +397,8 @@ void Engine::MarkStale(const std::vector<BatchId>& batches, SeqId id,
 }
 
 absl::StatusOr<AllocateResult> Engine::AllocateBlocks(
-    absl::Span<const SequenceRequest> requests, const Caller& caller) {
+    absl::Span<const SequenceRequest> requests, const Caller& caller,
+    bool omit_appended_tables) {
   MutexLock lock(&mu_);
   // First, as waiting lets other calls in: a call that takes fresh blocks
   // waits while an attention call in flight reads released ones (a no-op
@@ -446,7 +447,9 @@ absl::StatusOr<AllocateResult> Engine::AllocateBlocks(
     SequenceBlocks out;
     out.seq_id = g.seq_id;
     out.new_blocks = std::move(g.new_blocks);
-    out.block_table = seq->blocks;
+    out.num_blocks = static_cast<int64_t>(seq->blocks.size());
+    out.table_omitted = omit_appended_tables && !g.created && g.copies.empty();
+    if (!out.table_omitted) out.block_table = seq->blocks;
     out.created = g.created;
     out.computed_tokens = g.computed_tokens;
     out.copies = std::move(g.copies);
@@ -540,6 +543,7 @@ absl::StatusOr<std::vector<SequenceBlocks>> Engine::ForkSequence(
     SequenceBlocks sb;
     sb.seq_id = child;
     sb.block_table = seqs_.Find(child)->blocks;
+    sb.num_blocks = static_cast<int64_t>(sb.block_table.size());
     sb.created = true;
     out.push_back(std::move(sb));
   }

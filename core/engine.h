@@ -171,7 +171,12 @@ struct EngineInfo {
 struct SequenceBlocks {
   SeqId seq_id = 0;
   std::vector<BlockId> new_blocks;
+  // The whole table after the call; empty when table_omitted.
   std::vector<BlockId> block_table;
+  int64_t num_blocks = 0;  // the table's length, always set
+  // AllocateBlocks(omit_appended_tables): the table is the one the caller
+  // was last told plus new_blocks, so it was left out.
+  bool table_omitted = false;
   bool created = false;
   int64_t computed_tokens = 0;    // prefix-cache hits
   std::vector<BlockCopy> copies;  // copy-on-write, already done
@@ -247,8 +252,13 @@ class Engine {
   // Ends every lapsed session; the server calls it periodically.
   std::vector<SessionEnd> ExpireSessions();
 
+  // omit_appended_tables: leave out the block_table of each sequence whose
+  // table this call only appended to (not created, no copy-on-write); a
+  // scheduler that mirrors the tables appends new_blocks itself. A decode
+  // step's reservation then costs its new blocks, not every row's table.
   absl::StatusOr<AllocateResult> AllocateBlocks(
-      absl::Span<const SequenceRequest> requests, const Caller& caller = {});
+      absl::Span<const SequenceRequest> requests, const Caller& caller = {},
+      bool omit_appended_tables = false);
   absl::StatusOr<FreeResult> FreeSequences(absl::Span<const SeqId> ids,
                                            const Caller& caller = {});
 

@@ -140,8 +140,9 @@ void SequenceBlocksToProto(const SequenceBlocks& s, int64_t block_size,
                                        s.new_blocks.end());
   out->mutable_block_table()->Assign(s.block_table.begin(),
                                      s.block_table.end());
-  out->set_capacity_tokens(static_cast<int64_t>(s.block_table.size()) *
-                           block_size);
+  out->set_block_table_omitted(s.table_omitted);
+  out->set_num_blocks(s.num_blocks);
+  out->set_capacity_tokens(s.num_blocks * block_size);
   out->set_created(s.created);
   out->set_computed_tokens(s.computed_tokens);
   for (const BlockCopy& c : s.copies) BlockCopyToProto(c, out->add_copies());

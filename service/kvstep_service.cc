@@ -179,8 +179,8 @@ grpc::Status KvStepService::AllocateBlocks(grpc::ServerContext* ctx,
                absl::StatusOr<std::vector<SequenceRequest>> requests =
                    SequenceRequestsFromProto(*req);
                if (!requests.ok()) return ToGrpcStatus(requests.status());
-               absl::StatusOr<AllocateResult> r =
-                   engine_->AllocateBlocks(*requests, caller);
+               absl::StatusOr<AllocateResult> r = engine_->AllocateBlocks(
+                   *requests, caller, req->omit_appended_tables());
                if (!r.ok()) return ToGrpcStatus(r.status());
                const int64_t bs = engine_->cache_config().block_size;
                for (const SequenceBlocks& s : r->sequences) {

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <map>
 #include <random>
 #include <thread>
 #include <vector>
@@ -133,6 +134,102 @@ TEST_F(BlockServiceTest, ForkThenCopyOnWrite) {
   ASSERT_EQ(a->sequences(1).copies_size(), 1);
   EXPECT_EQ(a->sequences(2).copies_size(), 0);
   EXPECT_EQ(a->sequences(2).block_table(1), 62);
+  EXPECT_TRUE(server_->engine()->CheckInvariants().ok());
+}
+
+// A scheduler mirroring the tables from replies that leave out appended
+// tables keeps the server's tables exactly: through creation, growth, a
+// fork's copy-on-write and a swap out and in.
+TEST_F(BlockServiceTest, OmittedTablesAreRebuiltByAppending) {
+  Start(64, /*host_blocks=*/16);
+  std::map<uint64_t, std::vector<int64_t>> mirror;
+  auto apply = [&](const v1::SequenceBlocks& s) {
+    std::vector<int64_t>& t = mirror[s.seq_id()];
+    if (s.block_table_omitted()) {
+      EXPECT_EQ(s.block_table_size(), 0);
+      t.insert(t.end(), s.new_block_ids().begin(), s.new_block_ids().end());
+    } else {
+      t.assign(s.block_table().begin(), s.block_table().end());
+    }
+    EXPECT_EQ(static_cast<int64_t>(t.size()), s.num_blocks());
+    EXPECT_EQ(s.capacity_tokens(), s.num_blocks() * kBs);
+  };
+  auto reserve = [&](const std::vector<std::pair<uint64_t, int64_t>>& seqs) {
+    v1::AllocateBlocksRequest r;
+    r.set_omit_appended_tables(true);
+    for (const auto& [id, tokens] : seqs) {
+      *r.add_sequences() = Alloc(id, tokens).sequences(0);
+    }
+    absl::StatusOr<v1::AllocateBlocksResponse> a = client_->AllocateBlocks(r);
+    EXPECT_TRUE(a.ok()) << a.status();
+    if (a.ok()) {
+      for (const v1::SequenceBlocks& s : a->sequences()) apply(s);
+    }
+    return a;
+  };
+  auto truth = [&](uint64_t id) {
+    absl::StatusOr<v1::AllocateBlocksResponse> a =
+        client_->AllocateBlocks(Alloc(id, 0));  // a no-op sends the table
+    EXPECT_TRUE(a.ok()) << a.status();
+    if (!a.ok()) return std::vector<int64_t>{};
+    EXPECT_FALSE(a->sequences(0).block_table_omitted());
+    return std::vector<int64_t>(a->sequences(0).block_table().begin(),
+                                a->sequences(0).block_table().end());
+  };
+
+  absl::StatusOr<v1::AllocateBlocksResponse> a = reserve({{1, 20}});
+  ASSERT_TRUE(a.ok());
+  EXPECT_FALSE(a->sequences(0).block_table_omitted());  // created here
+  ASSERT_TRUE(Prefill(1, Iota(20)).ok());
+  for (int64_t tokens = 21; tokens <= 40; ++tokens) {
+    a = reserve({{1, tokens}});
+    ASSERT_TRUE(a.ok());
+    EXPECT_TRUE(a->sequences(0).block_table_omitted());
+    EXPECT_EQ(a->sequences(0).new_block_ids_size(), tokens == 33 ? 1 : 0);
+  }
+  EXPECT_EQ(mirror[1], truth(1));
+  EXPECT_EQ(mirror[1].size(), 3u);
+
+  // A fork's child comes with its table; the parent's next write into the
+  // shared partial block copies it, and that reply carries the table.
+  const uint64_t child[] = {2};
+  absl::StatusOr<v1::ForkSequenceResponse> f = client_->ForkSequence(1, child);
+  ASSERT_TRUE(f.ok()) << f.status();
+  apply(f->children(0));
+  a = reserve({{1, 21}, {2, 21}});  // both write position 20, in entry 1
+  ASSERT_TRUE(a.ok());
+  EXPECT_FALSE(a->sequences(0).block_table_omitted());
+  EXPECT_EQ(a->sequences(0).copies_size(), 1);
+  EXPECT_TRUE(a->sequences(1).block_table_omitted());  // kept the original
+  a = reserve({{1, 50}, {2, 60}});
+  ASSERT_TRUE(a.ok());
+  EXPECT_TRUE(a->sequences(0).block_table_omitted());
+  EXPECT_EQ(a->sequences(0).new_block_ids_size(), 1);
+  EXPECT_EQ(a->sequences(1).new_block_ids_size(), 2);
+  EXPECT_EQ(mirror[1], truth(1));
+  EXPECT_EQ(mirror[2], truth(2));
+
+  // Swapping maps every block of the sequence; the scheduler applies the
+  // copies to its mirror, and appending goes on from there.
+  const uint64_t ids[] = {2};
+  for (bool out : {true, false}) {
+    absl::StatusOr<v1::SwapResponse> sw =
+        out ? client_->SwapOut(ids) : client_->SwapIn(ids);
+    ASSERT_TRUE(sw.ok()) << sw.status();
+    for (int64_t& b : mirror[2]) {
+      for (const v1::BlockCopy& c : sw->copies()) {
+        if (c.src() == b) {
+          b = c.dst();
+          break;
+        }
+      }
+    }
+  }
+  a = reserve({{2, 70}});
+  ASSERT_TRUE(a.ok());
+  EXPECT_TRUE(a->sequences(0).block_table_omitted());
+  EXPECT_EQ(a->sequences(0).new_block_ids_size(), 1);
+  EXPECT_EQ(mirror[2], truth(2));
   EXPECT_TRUE(server_->engine()->CheckInvariants().ok());
 }
 
