@@ -244,9 +244,7 @@ absl::Status Engine::UseSessionLocked(const Caller& caller) {
   return absl::OkStatus();
 }
 
-absl::Status Engine::CheckOwner(SessionId owner, const Caller& caller,
-                                absl::string_view what) {
-  if (owner == caller.session) return absl::OkStatus();
+absl::Status Engine::NotOwnerError(SessionId owner, absl::string_view what) {
   if (owner == 0) {
     return absl::PermissionDeniedError(absl::StrCat(
         what,
@@ -263,8 +261,9 @@ absl::StatusOr<Batch*> Engine::FindBatchLocked(BatchId id,
   if (it == batches_.end()) {
     return absl::NotFoundError(absl::StrFormat("batch %d does not exist", id));
   }
-  if (absl::Status s = CheckOwner(it->second->session(), caller,
-                                  absl::StrFormat("batch %d", id));
+  if (absl::Status s =
+          CheckOwner(it->second->session(), caller,
+                     [&] { return absl::StrFormat("batch %d", id); });
       !s.ok()) {
     return s;
   }
@@ -276,8 +275,9 @@ absl::Status Engine::CheckSeqOwnerLocked(SeqId id, const Caller& caller,
                                          size_t i) const {
   const Sequence* seq = seqs_.Find(id);
   if (seq == nullptr) return absl::OkStatus();  // the caller reports unknowns
-  return CheckOwner(seq->session, caller,
-                    absl::StrFormat("%s[%d]: seq %d", field, i, id));
+  return CheckOwner(seq->session, caller, [&] {
+    return absl::StrFormat("%s[%d]: seq %d", field, i, id);
+  });
 }
 
 absl::Status Engine::AdmitSeqIdsLocked(absl::Span<const SeqId> ids,
@@ -513,8 +513,9 @@ absl::StatusOr<std::vector<SequenceBlocks>> Engine::ForkSequence(
     return absl::NotFoundError(
         absl::StrFormat("parent seq %d does not exist", parent));
   }
-  if (absl::Status s = CheckOwner(p->session, caller,
-                                  absl::StrFormat("parent seq %d", parent));
+  if (absl::Status s =
+          CheckOwner(p->session, caller,
+                     [&] { return absl::StrFormat("parent seq %d", parent); });
       !s.ok()) {
     return s;
   }
@@ -615,9 +616,12 @@ absl::StatusOr<CreateBatchResult> Engine::CreateBatch(
       return absl::InvalidArgumentError(absl::StrFormat(
           "release_batch_ids[%d]: batch %d does not exist", i, release[i]));
     }
-    if (absl::Status s = CheckOwner(
-            it->second->session(), caller,
-            absl::StrFormat("release_batch_ids[%d]: batch %d", i, release[i]));
+    if (absl::Status s = CheckOwner(it->second->session(), caller,
+                                    [&] {
+                                      return absl::StrFormat(
+                                          "release_batch_ids[%d]: batch %d", i,
+                                          release[i]);
+                                    });
         !s.ok()) {
       return s;
     }
@@ -640,9 +644,9 @@ absl::StatusOr<CreateBatchResult> Engine::CreateBatch(
           spec.rows[i].seq_id));
     }
     const BatchRowSpec& r = spec.rows[i];
-    if (absl::Status s =
-            CheckOwner(seq->session, caller,
-                       absl::StrFormat("rows[%d]: seq %d", i, r.seq_id));
+    if (absl::Status s = CheckOwner(
+            seq->session, caller,
+            [&] { return absl::StrFormat("rows[%d]: seq %d", i, r.seq_id); });
         !s.ok()) {
       return s;
     }
@@ -752,9 +756,11 @@ absl::StatusOr<ReleaseResult> Engine::ReleaseBatches(
   for (size_t i = 0; i < ids.size(); ++i) {
     auto it = batches_.find(ids[i]);
     if (it == batches_.end()) continue;
-    if (absl::Status s =
-            CheckOwner(it->second->session(), caller,
-                       absl::StrFormat("batch_ids[%d]: batch %d", i, ids[i]));
+    if (absl::Status s = CheckOwner(it->second->session(), caller,
+                                    [&] {
+                                      return absl::StrFormat(
+                                          "batch_ids[%d]: batch %d", i, ids[i]);
+                                    });
         !s.ok()) {
       return s;
     }

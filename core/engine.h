@@ -396,8 +396,15 @@ class Engine {
   absl::Status UseSessionLocked(const Caller& caller)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // PERMISSION_DENIED unless the object belongs to the caller's session.
+  // `name()` names the object in the error; it runs only for a refusal, so
+  // that a per-row check costs no formatting on the common path.
+  template <typename NameFn>
   static absl::Status CheckOwner(SessionId owner, const Caller& caller,
-                                 absl::string_view what);
+                                 const NameFn& name) {
+    if (owner == caller.session) return absl::OkStatus();
+    return NotOwnerError(owner, name());
+  }
+  static absl::Status NotOwnerError(SessionId owner, absl::string_view what);
   // CheckOwner for the sequence `id`, named field[i]; OK when there is no
   // such sequence (each method treats unknown ids its own way).
   absl::Status CheckSeqOwnerLocked(SeqId id, const Caller& caller,
