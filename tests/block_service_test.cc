@@ -4,12 +4,12 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <map>
 #include <random>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "client/block_tables.h"
 #include "client/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -137,23 +137,12 @@ TEST_F(BlockServiceTest, ForkThenCopyOnWrite) {
   EXPECT_TRUE(server_->engine()->CheckInvariants().ok());
 }
 
-// A scheduler mirroring the tables from replies that leave out appended
-// tables keeps the server's tables exactly: through creation, growth, a
-// fork's copy-on-write and a swap out and in.
+// A scheduler mirroring the tables (BlockTables) from replies that leave
+// out appended tables keeps the server's tables exactly: through creation,
+// growth, a fork's copy-on-write and a swap out and in.
 TEST_F(BlockServiceTest, OmittedTablesAreRebuiltByAppending) {
   Start(64, /*host_blocks=*/16);
-  std::map<uint64_t, std::vector<int64_t>> mirror;
-  auto apply = [&](const v1::SequenceBlocks& s) {
-    std::vector<int64_t>& t = mirror[s.seq_id()];
-    if (s.block_table_omitted()) {
-      EXPECT_EQ(s.block_table_size(), 0);
-      t.insert(t.end(), s.new_block_ids().begin(), s.new_block_ids().end());
-    } else {
-      t.assign(s.block_table().begin(), s.block_table().end());
-    }
-    EXPECT_EQ(static_cast<int64_t>(t.size()), s.num_blocks());
-    EXPECT_EQ(s.capacity_tokens(), s.num_blocks() * kBs);
-  };
+  BlockTables mirror;
   auto reserve = [&](const std::vector<std::pair<uint64_t, int64_t>>& seqs) {
     v1::AllocateBlocksRequest r;
     r.set_omit_appended_tables(true);
@@ -163,7 +152,12 @@ TEST_F(BlockServiceTest, OmittedTablesAreRebuiltByAppending) {
     absl::StatusOr<v1::AllocateBlocksResponse> a = client_->AllocateBlocks(r);
     EXPECT_TRUE(a.ok()) << a.status();
     if (a.ok()) {
-      for (const v1::SequenceBlocks& s : a->sequences()) apply(s);
+      for (const v1::SequenceBlocks& s : a->sequences()) {
+        EXPECT_EQ(s.capacity_tokens(), s.num_blocks() * kBs);
+        if (s.block_table_omitted()) EXPECT_EQ(s.block_table_size(), 0);
+      }
+      absl::Status applied = mirror.Apply(*a);
+      EXPECT_TRUE(applied.ok()) << applied;
     }
     return a;
   };
@@ -176,6 +170,10 @@ TEST_F(BlockServiceTest, OmittedTablesAreRebuiltByAppending) {
     return std::vector<int64_t>(a->sequences(0).block_table().begin(),
                                 a->sequences(0).block_table().end());
   };
+  auto known = [&](uint64_t id) {
+    const std::vector<int64_t>* t = mirror.Find(id);
+    return t == nullptr ? std::vector<int64_t>{99999} : *t;
+  };
 
   absl::StatusOr<v1::AllocateBlocksResponse> a = reserve({{1, 20}});
   ASSERT_TRUE(a.ok());
@@ -187,15 +185,15 @@ TEST_F(BlockServiceTest, OmittedTablesAreRebuiltByAppending) {
     EXPECT_TRUE(a->sequences(0).block_table_omitted());
     EXPECT_EQ(a->sequences(0).new_block_ids_size(), tokens == 33 ? 1 : 0);
   }
-  EXPECT_EQ(mirror[1], truth(1));
-  EXPECT_EQ(mirror[1].size(), 3u);
+  EXPECT_EQ(known(1), truth(1));
+  EXPECT_EQ(known(1).size(), 3u);
 
   // A fork's child comes with its table; the parent's next write into the
   // shared partial block copies it, and that reply carries the table.
   const uint64_t child[] = {2};
   absl::StatusOr<v1::ForkSequenceResponse> f = client_->ForkSequence(1, child);
   ASSERT_TRUE(f.ok()) << f.status();
-  apply(f->children(0));
+  ASSERT_TRUE(mirror.ApplyFork(*f).ok());
   a = reserve({{1, 21}, {2, 21}});  // both write position 20, in entry 1
   ASSERT_TRUE(a.ok());
   EXPECT_FALSE(a->sequences(0).block_table_omitted());
@@ -206,30 +204,45 @@ TEST_F(BlockServiceTest, OmittedTablesAreRebuiltByAppending) {
   EXPECT_TRUE(a->sequences(0).block_table_omitted());
   EXPECT_EQ(a->sequences(0).new_block_ids_size(), 1);
   EXPECT_EQ(a->sequences(1).new_block_ids_size(), 2);
-  EXPECT_EQ(mirror[1], truth(1));
-  EXPECT_EQ(mirror[2], truth(2));
+  EXPECT_EQ(known(1), truth(1));
+  EXPECT_EQ(known(2), truth(2));
 
-  // Swapping maps every block of the sequence; the scheduler applies the
-  // copies to its mirror, and appending goes on from there.
+  // Swapping maps every block of the sequence; appending goes on from
+  // the mapped table.
   const uint64_t ids[] = {2};
-  for (bool out : {true, false}) {
-    absl::StatusOr<v1::SwapResponse> sw =
-        out ? client_->SwapOut(ids) : client_->SwapIn(ids);
-    ASSERT_TRUE(sw.ok()) << sw.status();
-    for (int64_t& b : mirror[2]) {
-      for (const v1::BlockCopy& c : sw->copies()) {
-        if (c.src() == b) {
-          b = c.dst();
-          break;
-        }
-      }
-    }
-  }
+  absl::StatusOr<v1::SwapResponse> sw = client_->SwapOut(ids);
+  ASSERT_TRUE(sw.ok()) << sw.status();
+  ASSERT_TRUE(mirror.ApplySwap(*sw, ids).ok());
+  sw = client_->SwapIn(ids);
+  ASSERT_TRUE(sw.ok()) << sw.status();
+  ASSERT_TRUE(mirror.ApplySwap(*sw, ids).ok());
   a = reserve({{2, 70}});
   ASSERT_TRUE(a.ok());
   EXPECT_TRUE(a->sequences(0).block_table_omitted());
   EXPECT_EQ(a->sequences(0).new_block_ids_size(), 1);
-  EXPECT_EQ(mirror[2], truth(2));
+  EXPECT_EQ(known(2), truth(2));
+
+  // A reply the mirror missed shows as DATA_LOSS on the next omitted one,
+  // and that sequence's table is left alone; a full reply resynchronizes.
+  ASSERT_TRUE(client_->AllocateBlocks(Alloc(1, 80)).ok());  // not applied
+  const std::vector<int64_t> stale = known(1);
+  v1::AllocateBlocksRequest r = Alloc(1, 96);
+  r.set_omit_appended_tables(true);
+  a = client_->AllocateBlocks(r);
+  ASSERT_TRUE(a.ok()) << a.status();
+  absl::Status applied = mirror.Apply(*a);
+  EXPECT_EQ(applied.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(applied.message()),
+              HasSubstr("seq 1: the reply left its table out and appended 1 "
+                        "blocks to a table of 6, but this copy has 4 blocks"));
+  EXPECT_EQ(known(1), stale);
+  a = client_->AllocateBlocks(Alloc(1, 96));
+  ASSERT_TRUE(a.ok() && mirror.Apply(*a).ok());
+  EXPECT_EQ(known(1), truth(1));
+  const uint64_t unknown[] = {7};
+  EXPECT_EQ(mirror.ApplySwap(*sw, unknown).code(), absl::StatusCode::kNotFound);
+  mirror.Forget(ids);
+  EXPECT_EQ(mirror.Find(2), nullptr);
   EXPECT_TRUE(server_->engine()->CheckInvariants().ok());
 }
 
