@@ -2,11 +2,16 @@
 // allocate+free through the SequenceManager, fork, and prefix-cache lookup.
 // items_per_second counts blocks. The second argument of the first two and
 // of BM_NearlyFullPool: 0 the LIFO stack (BlockOrder::kAscending), 1 runs
-// (BlockOrder::kRuns). Run: build/bench/block_manager_bench
+// (BlockOrder::kRuns). BM_EngineStepReservation: a decode step's slot
+// reservation for a batch through the Engine (AllocateBlocks of every row,
+// lock and checks included), with and without its tables in the result.
+// Run: build/bench/block_manager_bench
+#include <memory>
 #include <vector>
 
 #include "benchmark/benchmark.h"
 #include "core/block_allocator.h"
+#include "core/engine.h"
 #include "core/sequence_manager.h"
 
 namespace kvstep {
@@ -98,6 +103,39 @@ void BM_SequenceAllocateFree(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * blocks * 2);
 }
 BENCHMARK(BM_SequenceAllocateFree)->ArgsProduct({{1, 16, 256}, {0, 1}});
+
+// Arguments: rows, tokens each row holds (allocated up front, so the
+// reservation takes no block), and 1 to leave the tables out.
+void BM_EngineStepReservation(benchmark::State& state) {
+  const int64_t rows = state.range(0);
+  const int64_t tokens = state.range(1);
+  const bool omit = state.range(2) != 0;
+  EngineOptions o;
+  o.cache.num_blocks = rows * tokens / kBs + 16;
+  o.cache.block_size = kBs;
+  o.cache.num_layers = 1;
+  o.cache.num_kv_heads = 1;
+  o.cache.head_size = 8;
+  std::unique_ptr<Engine> engine = *Engine::Create(o);
+  std::vector<SequenceRequest> req(static_cast<size_t>(rows));
+  for (int64_t i = 0; i < rows; ++i) {
+    req[static_cast<size_t>(i)].seq_id = static_cast<SeqId>(i + 1);
+    req[static_cast<size_t>(i)].num_tokens = tokens;
+  }
+  if (!engine->AllocateBlocks(req).ok()) {
+    state.SkipWithError("AllocateBlocks failed");
+    return;
+  }
+  // The rows hold no token yet, so asking for one is a step's reservation:
+  // no block taken, one block's range checked for sharing.
+  for (SequenceRequest& r : req) r.num_tokens = 1;
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(engine->AllocateBlocks(req, {}, omit));
+  }
+  state.SetItemsProcessed(state.iterations() * rows);
+}
+BENCHMARK(BM_EngineStepReservation)
+    ->ArgsProduct({{64, 256}, {1024, 8192}, {0, 1}});
 
 void BM_Fork(benchmark::State& state) {
   BlockAllocator a(kBlocks, BlockOrder::kAscending);
