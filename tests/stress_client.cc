@@ -16,8 +16,13 @@
 //
 //   stress_client --target=unix:/tmp/k.sock --seed=3 --iterations=300
 //
+// It keeps its sequences' block tables as a scheduler would (BlockTables,
+// growing them with omit_appended_tables) and checks each batch's
+// block_tables against them.
+//
 // Exit 0 when every reply was one a correct server may give; 1 otherwise.
 // RESOURCE_EXHAUSTED is expected (the pool is shared and small).
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -28,6 +33,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
+#include "client/block_tables.h"
 #include "client/client.h"
 
 ABSL_FLAG(std::string, target, "", "server address");
@@ -103,6 +109,7 @@ int main(int argc, char** argv) {
   std::vector<uint64_t> live;
   std::vector<int64_t> lens;
   std::vector<int64_t> computed;
+  kvstep::BlockTables tables;
   for (int64_t it = 0; iterations == 0 || it < iterations; ++it) {
     const int op = static_cast<int>(rng() % 10);
     if (op < 4 || live.empty()) {
@@ -120,6 +127,9 @@ int main(int argc, char** argv) {
           client->AllocateBlocks(req);
       if (!Tolerated(r.status())) return Bad("AllocateBlocks", r.status());
       if (r.ok()) {
+        if (absl::Status s = tables.Apply(*r); !s.ok()) {
+          return Bad("AllocateBlocks' table", s);
+        }
         live.push_back(a->seq_id());
         lens.push_back(len);
         computed.push_back(r->sequences(0).computed_tokens());
@@ -131,6 +141,9 @@ int main(int argc, char** argv) {
           client->ForkSequence(live[k], {&child, 1});
       if (!Tolerated(r.status())) return Bad("ForkSequence", r.status());
       if (r.ok()) {
+        if (absl::Status s = tables.ApplyFork(*r); !s.ok()) {
+          return Bad("ForkSequence's table", s);
+        }
         live.push_back(child);
         lens.push_back(lens[k]);
         computed.push_back(computed[k]);
@@ -140,12 +153,19 @@ int main(int argc, char** argv) {
       // grow it (copy-on-write when shared), batch it, and take three
       // numbered steps, retrying each once.
       const size_t k = rng() % live.size();
-      std::vector<std::pair<uint64_t, int64_t>> grow = {{live[k], lens[k] + 4}};
+      kvstep::v1::AllocateBlocksRequest grow;
+      grow.set_omit_appended_tables(true);
+      grow.add_sequences()->set_seq_id(live[k]);
+      grow.mutable_sequences(0)->set_num_tokens(lens[k] + 4);
       absl::StatusOr<kvstep::v1::AllocateBlocksResponse> g =
           client->AllocateBlocks(grow);
       if (!Tolerated(g.status())) return Bad("grow", g.status());
       if (!g.ok()) continue;
+      if (absl::Status s = tables.Apply(*g); !s.ok()) {
+        return Bad("grow's table", s);
+      }
       kvstep::v1::CreateBatchRequest cb;
+      cb.set_return_tensors(true);
       kvstep::v1::BatchRow* row = cb.add_rows();
       row->set_seq_id(live[k]);
       if (computed[k] < lens[k]) {
@@ -159,6 +179,22 @@ int main(int argc, char** argv) {
       absl::StatusOr<kvstep::v1::CreateBatchResponse> b =
           client->CreateBatch(cb);
       if (!b.ok()) return Bad("CreateBatch", b.status());
+      // The batch's table row is the sequence's table, zero-padded.
+      absl::StatusOr<std::vector<int64_t>> row_table =
+          kvstep::IndexTensorValues(b->tensors().block_tables());
+      const std::vector<int64_t>* known = tables.Find(live[k]);
+      if (!row_table.ok() || known == nullptr ||
+          row_table->size() < known->size() ||
+          !std::equal(known->begin(), known->end(), row_table->begin()) ||
+          std::any_of(row_table->begin() + known->size(), row_table->end(),
+                      [](int64_t e) { return e != 0; })) {
+        return Bad(
+            "CreateBatch",
+            absl::InternalError(absl::StrCat(
+                "block_tables ", b->tensors().block_tables().ShortDebugString(),
+                " is not the table this client keeps (",
+                known == nullptr ? 0 : known->size(), " blocks)")));
+      }
       for (int64_t step = 1; step <= 3; ++step) {
         // The step's forward pass: its tokens' K/V written, attention over
         // the row (2 query heads over the 1 KV head).
@@ -207,6 +243,7 @@ int main(int argc, char** argv) {
       if (r->freed_seq_ids_size() != 1) {
         return Bad("FreeSequences", absl::InternalError("not freed"));
       }
+      tables.Forget({&live[k], 1});
       live.erase(live.begin() + static_cast<std::ptrdiff_t>(k));
       lens.erase(lens.begin() + static_cast<std::ptrdiff_t>(k));
       computed.erase(computed.begin() + static_cast<std::ptrdiff_t>(k));
