@@ -6,6 +6,13 @@
 // kind's median is reported as a ratio to the ping's median. The bar: kvstep
 // control RPCs within 10% of the ping.
 //
+// The series, on one batch of --rows decode rows whose blocks were
+// allocated up front for every step of the run: GetServerInfo; a
+// one-sequence AllocateBlocks retry; a decode step's slot reservation for
+// every row (AllocateBlocks of each row's tokens plus one), with every
+// table in the reply and with omit_appended_tables; AdvanceStep, without
+// and with the state tensors in the reply.
+//
 //   build/bench/rpc_bench [--rounds=3000] [--rows=64] [--target=ADDR]
 //       [--attention_context=N [--background_attention]]
 //       [--attention_threads=N] [--attention_idle_poll_us=N]
