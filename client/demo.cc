@@ -9,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "client/block_tables.h"
 
 namespace kvstep {
 namespace {
@@ -113,6 +114,10 @@ absl::Status RunDemo(Client& client, const DemoOptions& o, std::ostream& out) {
     out << absl::StrFormat("  seq %d: %d blocks [%s]\n", s.seq_id(),
                            table.size(), absl::StrJoin(table, ", "));
   }
+  // The scheduler's copy of the tables: the decode steps' reservations
+  // leave them out of the replies (omit_appended_tables).
+  BlockTables tables;
+  if (absl::Status s = tables.Apply(*alloc); !s.ok()) return s;
 
   // 2. The prefill batch.
   v1::CreateBatchRequest create;
@@ -145,14 +150,18 @@ absl::Status RunDemo(Client& client, const DemoOptions& o, std::ostream& out) {
   std::vector<double> alloc_us, advance_us, attention_us;
   std::vector<int64_t> seq_lens(ids.size(), o.prompt_len);
   for (int64_t step = 1; step <= o.steps; ++step) {
-    want.clear();
+    v1::AllocateBlocksRequest reserve;
+    reserve.set_omit_appended_tables(true);
     for (size_t i = 0; i < ids.size(); ++i) {
-      want.emplace_back(ids[i], seq_lens[i] + 1);
+      v1::SequenceAllocation* a = reserve.add_sequences();
+      a->set_seq_id(ids[i]);
+      a->set_num_tokens(seq_lens[i] + 1);
     }
     t = absl::Now();
-    alloc = client.AllocateBlocks(want);
+    alloc = client.AllocateBlocks(reserve);
     if (!alloc.ok()) return alloc.status();
     alloc_us.push_back(Micros(t));
+    if (absl::Status s = tables.Apply(*alloc); !s.ok()) return s;
 
     std::vector<int64_t> sampled(ids.size());
     for (int64_t& s : sampled) s = token(rng);
@@ -177,6 +186,22 @@ absl::Status RunDemo(Client& client, const DemoOptions& o, std::ostream& out) {
         return absl::InternalError("a retried step advanced again");
       }
       out << "retry of step 1: same reply, not advanced again\n";
+    }
+    // The batch's table rows are the tables the client keeps.
+    absl::StatusOr<std::vector<int64_t>> rows =
+        IndexTensorValues(r->tensors().block_tables());
+    if (!rows.ok()) return rows.status();
+    const size_t width = rows->size() / ids.size();
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const std::vector<int64_t>* known = tables.Find(ids[i]);
+      if (known == nullptr || known->size() > width ||
+          !std::equal(known->begin(), known->end(),
+                      rows->begin() + static_cast<std::ptrdiff_t>(i * width))) {
+        return absl::InternalError(absl::StrFormat(
+            "step %d: the batch's table of seq %d is not the one the client "
+            "kept from AllocateBlocks",
+            step, ids[i]));
+      }
     }
     for (int64_t& len : seq_lens) ++len;
     attn = Attend(client, rng, batch->batch_id(),
@@ -207,6 +232,9 @@ absl::Status RunDemo(Client& client, const DemoOptions& o, std::ostream& out) {
   absl::StatusOr<v1::FreeSequencesResponse> freed = client.FreeSequences(ids);
   if (!freed.ok()) return freed.status();
   const double ping = Median(ping_us);
+  out << absl::StrFormat(
+      "the client's tables (kept from replies without them) matched the "
+      "batch's at every step\n");
   out << absl::StrFormat(
       "median over %d steps: AllocateBlocks %.0f us (%.2fx ping), AdvanceStep "
       "%.0f us (%.2fx ping); GetServerInfo ping %.0f us (%d rounds)\n",
