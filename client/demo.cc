@@ -187,16 +187,19 @@ absl::Status RunDemo(Client& client, const DemoOptions& o, std::ostream& out) {
       }
       out << "retry of step 1: same reply, not advanced again\n";
     }
-    // The batch's table rows are the tables the client keeps.
+    // The batch's table rows are the tables the client keeps, zero-padded.
     absl::StatusOr<std::vector<int64_t>> rows =
         IndexTensorValues(r->tensors().block_tables());
     if (!rows.ok()) return rows.status();
     const size_t width = rows->size() / ids.size();
     for (size_t i = 0; i < ids.size(); ++i) {
       const std::vector<int64_t>* known = tables.Find(ids[i]);
+      const auto row = rows->begin() + static_cast<std::ptrdiff_t>(i * width);
       if (known == nullptr || known->size() > width ||
-          !std::equal(known->begin(), known->end(),
-                      rows->begin() + static_cast<std::ptrdiff_t>(i * width))) {
+          !std::equal(known->begin(), known->end(), row) ||
+          std::any_of(row + static_cast<std::ptrdiff_t>(known->size()),
+                      row + static_cast<std::ptrdiff_t>(width),
+                      [](int64_t e) { return e != 0; })) {
         return absl::InternalError(absl::StrFormat(
             "step %d: the batch's table of seq %d is not the one the client "
             "kept from AllocateBlocks",
