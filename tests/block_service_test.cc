@@ -154,7 +154,9 @@ TEST_F(BlockServiceTest, OmittedTablesAreRebuiltByAppending) {
     if (a.ok()) {
       for (const v1::SequenceBlocks& s : a->sequences()) {
         EXPECT_EQ(s.capacity_tokens(), s.num_blocks() * kBs);
-        if (s.block_table_omitted()) EXPECT_EQ(s.block_table_size(), 0);
+        if (s.block_table_omitted()) {
+          EXPECT_EQ(s.block_table_size(), 0);
+        }
       }
       absl::Status applied = mirror.Apply(*a);
       EXPECT_TRUE(applied.ok()) << applied;
