@@ -1,5 +1,8 @@
 #include "client/block_tables.h"
 
+#include <algorithm>
+#include <cstddef>
+
 #include "absl/strings/str_format.h"
 
 namespace kvstep {
@@ -26,18 +29,20 @@ absl::Status BlockTables::ApplyOne(const v1::SequenceBlocks& s) {
   return absl::OkStatus();
 }
 
-absl::Status BlockTables::Apply(const v1::AllocateBlocksResponse& reply) {
-  for (const v1::SequenceBlocks& s : reply.sequences()) {
+absl::Status BlockTables::ApplyAll(
+    const google::protobuf::RepeatedPtrField<v1::SequenceBlocks>& all) {
+  for (const v1::SequenceBlocks& s : all) {
     if (absl::Status st = ApplyOne(s); !st.ok()) return st;
   }
   return absl::OkStatus();
 }
 
+absl::Status BlockTables::Apply(const v1::AllocateBlocksResponse& reply) {
+  return ApplyAll(reply.sequences());
+}
+
 absl::Status BlockTables::ApplyFork(const v1::ForkSequenceResponse& reply) {
-  for (const v1::SequenceBlocks& s : reply.children()) {
-    if (absl::Status st = ApplyOne(s); !st.ok()) return st;
-  }
-  return absl::OkStatus();
+  return ApplyAll(reply.children());
 }
 
 absl::Status BlockTables::ApplySwap(const v1::SwapResponse& reply,
@@ -62,6 +67,15 @@ absl::Status BlockTables::ApplySwap(const v1::SwapResponse& reply,
 
 void BlockTables::Forget(absl::Span<const uint64_t> seq_ids) {
   for (uint64_t id : seq_ids) tables_.erase(id);
+}
+
+bool BlockTables::MatchesRow(uint64_t seq_id,
+                             absl::Span<const int64_t> row) const {
+  const std::vector<int64_t>* known = Find(seq_id);
+  return known != nullptr && known->size() <= row.size() &&
+         std::equal(known->begin(), known->end(), row.begin()) &&
+         std::all_of(row.begin() + static_cast<std::ptrdiff_t>(known->size()),
+                     row.end(), [](int64_t e) { return e == 0; });
 }
 
 const std::vector<int64_t>* BlockTables::Find(uint64_t seq_id) const {

@@ -41,9 +41,14 @@ class BlockTables {
   // The table of `seq_id`; nullptr when unknown.
   const std::vector<int64_t>* Find(uint64_t seq_id) const;
   size_t size() const { return tables_.size(); }
+  // Whether `row`, a batch's block_tables row, is the table of `seq_id`
+  // padded with zeros to the batch's width (false when unknown).
+  bool MatchesRow(uint64_t seq_id, absl::Span<const int64_t> row) const;
 
  private:
   absl::Status ApplyOne(const v1::SequenceBlocks& s);
+  absl::Status ApplyAll(
+      const google::protobuf::RepeatedPtrField<v1::SequenceBlocks>& all);
 
   absl::flat_hash_map<uint64_t, std::vector<int64_t>> tables_;
 };

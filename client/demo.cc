@@ -193,13 +193,8 @@ absl::Status RunDemo(Client& client, const DemoOptions& o, std::ostream& out) {
     if (!rows.ok()) return rows.status();
     const size_t width = rows->size() / ids.size();
     for (size_t i = 0; i < ids.size(); ++i) {
-      const std::vector<int64_t>* known = tables.Find(ids[i]);
-      const auto row = rows->begin() + static_cast<std::ptrdiff_t>(i * width);
-      if (known == nullptr || known->size() > width ||
-          !std::equal(known->begin(), known->end(), row) ||
-          std::any_of(row + static_cast<std::ptrdiff_t>(known->size()),
-                      row + static_cast<std::ptrdiff_t>(width),
-                      [](int64_t e) { return e != 0; })) {
+      if (!tables.MatchesRow(
+              ids[i], absl::MakeConstSpan(*rows).subspan(i * width, width))) {
         return absl::InternalError(absl::StrFormat(
             "step %d: the batch's table of seq %d is not the one the client "
             "kept from AllocateBlocks",

@@ -22,7 +22,6 @@
 //
 // Exit 0 when every reply was one a correct server may give; 1 otherwise.
 // RESOURCE_EXHAUSTED is expected (the pool is shared and small).
-#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -182,12 +181,8 @@ int main(int argc, char** argv) {
       // The batch's table row is the sequence's table, zero-padded.
       absl::StatusOr<std::vector<int64_t>> row_table =
           kvstep::IndexTensorValues(b->tensors().block_tables());
-      const std::vector<int64_t>* known = tables.Find(live[k]);
-      if (!row_table.ok() || known == nullptr ||
-          row_table->size() < known->size() ||
-          !std::equal(known->begin(), known->end(), row_table->begin()) ||
-          std::any_of(row_table->begin() + known->size(), row_table->end(),
-                      [](int64_t e) { return e != 0; })) {
+      if (!row_table.ok() || !tables.MatchesRow(live[k], *row_table)) {
+        const std::vector<int64_t>* known = tables.Find(live[k]);
         return Bad(
             "CreateBatch",
             absl::InternalError(absl::StrCat(
