@@ -12,8 +12,8 @@ PKGS=(
   # libFuzzer runtime.
   openssl libclang-rt-14-dev
   # bench/grid_table_test.py and bench/ab_runs_test.py (the bench scripts'
-  # tests).
-  python3
+  # tests); the Python client (python/) and its tests, with /usr/bin/python3.
+  python3 python3-grpcio python3-protobuf python3-numpy
 )
 
 missing=()
