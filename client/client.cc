@@ -242,6 +242,29 @@ absl::StatusOr<v1::ResetPrefixCacheResponse> Client::ResetPrefixCache(
       });
 }
 
+absl::StatusOr<v1::RegisterSharedMemoryResponse> Client::RegisterSharedMemory(
+    const std::string& path, int64_t size, absl::Duration timeout) {
+  v1::RegisterSharedMemoryRequest req;
+  req.set_path(path);
+  req.set_size(size);
+  return Invoke<v1::RegisterSharedMemoryResponse>(
+      timeout, [&](auto* ctx, auto* resp) {
+        return stub_->RegisterSharedMemory(ctx, req, resp);
+      });
+}
+
+absl::Status Client::UnregisterSharedMemory(uint64_t region_id,
+                                            absl::Duration timeout) {
+  v1::UnregisterSharedMemoryRequest req;
+  req.set_region_id(region_id);
+  return Invoke<v1::UnregisterSharedMemoryResponse>(
+             timeout,
+             [&](auto* ctx, auto* resp) {
+               return stub_->UnregisterSharedMemory(ctx, req, resp);
+             })
+      .status();
+}
+
 std::unique_ptr<Client::EventSubscription> Client::SubscribeKvEvents(
     const v1::SubscribeKvEventsRequest& req) {
   auto sub = std::unique_ptr<EventSubscription>(new EventSubscription());

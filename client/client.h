@@ -107,6 +107,13 @@ class Client {
       absl::Duration timeout = absl::ZeroDuration());
   absl::StatusOr<v1::ResetPrefixCacheResponse> ResetPrefixCache(
       absl::Duration timeout = absl::ZeroDuration());
+  // Shared memory for PagedAttention's tensors (client/shared_memory.h);
+  // over a unix socket only.
+  absl::StatusOr<v1::RegisterSharedMemoryResponse> RegisterSharedMemory(
+      const std::string& path, int64_t size,
+      absl::Duration timeout = absl::ZeroDuration());
+  absl::Status UnregisterSharedMemory(
+      uint64_t region_id, absl::Duration timeout = absl::ZeroDuration());
 
   // A KV-event stream; no deadline (it runs until cancelled).
   class EventSubscription {

@@ -29,6 +29,12 @@ namespace {
 absl::StatusOr<Tensor> DecodeTensor(const v1::Tensor& proto, bool present,
                                     absl::string_view field, bool view) {
   if (!present) return Tensor();
+  if (proto.has_shm()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field,
+        ": shm (shared memory) is accepted only for PagedAttention's query, "
+        "key and value; send data"));
+  }
   const DType dtype = DTypeFromProto(proto.dtype());
   if (dtype == DType::kInvalid) {
     return absl::InvalidArgumentError(

@@ -1,5 +1,7 @@
 #include "service/kvstep_service.h"
 
+#include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -8,8 +10,10 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
+#include "core/device.h"
 #include "core/index_dispatch.h"
 #include "core/log.h"
 #include "service/convert.h"
@@ -148,6 +152,7 @@ grpc::Status KvStepService::CloseSession(grpc::ServerContext* ctx,
   return Run(Rpc::kCloseSession, ctx, [&](const Caller&) -> grpc::Status {
     absl::StatusOr<SessionEnd> end = engine_->CloseSession(req->session_id());
     if (!end.ok()) return ToGrpcStatus(end.status());
+    SessionEnded(end->id);
     KVSTEP_LOG(kInfo,
                "session %d ('%s') closed: freed %d sequences (%d blocks), "
                "released %d batches",
@@ -159,6 +164,46 @@ grpc::Status KvStepService::CloseSession(grpc::ServerContext* ctx,
     resp->set_server_instance_id(engine_->instance_id());
     return grpc::Status::OK;
   });
+}
+
+grpc::Status KvStepService::RegisterSharedMemory(
+    grpc::ServerContext* ctx, const v1::RegisterSharedMemoryRequest* req,
+    v1::RegisterSharedMemoryResponse* resp) {
+  return Run(
+      Rpc::kRegisterSharedMemory, ctx,
+      [&](const Caller& caller) -> grpc::Status {
+        // A path names a file on the server's host: only a client on
+        // that host (a unix socket's peer) has one to name.
+        if (!absl::StartsWith(ctx->peer(), "unix:")) {
+          return grpc::Status(
+              grpc::StatusCode::FAILED_PRECONDITION,
+              "shared memory is for clients on the server's host: "
+              "connect over a unix socket");
+        }
+        absl::StatusOr<uint64_t> id =
+            shared_memory_.Register(req->path(), req->size(), caller.session);
+        if (!id.ok()) return ToGrpcStatus(id.status());
+        KVSTEP_LOG(kDebug, "shared-memory region %d: %d bytes of '%s'", *id,
+                   req->size(), absl::CHexEscape(req->path().substr(0, 256)));
+        resp->set_region_id(*id);
+        resp->set_server_instance_id(engine_->instance_id());
+        return grpc::Status::OK;
+      });
+}
+
+grpc::Status KvStepService::UnregisterSharedMemory(
+    grpc::ServerContext* ctx, const v1::UnregisterSharedMemoryRequest* req,
+    v1::UnregisterSharedMemoryResponse* resp) {
+  return Run(Rpc::kUnregisterSharedMemory, ctx,
+             [&](const Caller& caller) -> grpc::Status {
+               if (absl::Status s = shared_memory_.Unregister(req->region_id(),
+                                                              caller.session);
+                   !s.ok()) {
+                 return ToGrpcStatus(s);
+               }
+               resp->set_server_instance_id(engine_->instance_id());
+               return grpc::Status::OK;
+             });
 }
 
 grpc::Status KvStepService::GetServerInfo(grpc::ServerContext* ctx,
@@ -505,6 +550,68 @@ grpc::Status KvStepService::AdvanceExplicit(const v1::AdvanceStepRequest& req,
   return grpc::Status::OK;
 }
 
+absl::StatusOr<char*> KvStepService::SharedMemoryPlace(
+    const v1::SharedMemoryRef& ref, int64_t num_bytes, absl::string_view field,
+    const Caller& caller,
+    std::vector<std::shared_ptr<const SharedMemoryRegion>>* held) const {
+  absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>> region =
+      shared_memory_.Find(ref.region_id(), caller.session,
+                          absl::StrCat(field, ".region_id"));
+  if (!region.ok()) return region.status();
+  if (absl::Status s = (*region)->CheckRange(ref.offset(), num_bytes, field);
+      !s.ok()) {
+    return s;
+  }
+  char* place = (*region)->base() + ref.offset();
+  held->push_back(*std::move(region));
+  return place;
+}
+
+absl::StatusOr<Tensor> KvStepService::TensorFromSharedMemory(
+    const v1::Tensor& proto, absl::string_view field, const Caller& caller,
+    std::vector<std::shared_ptr<const SharedMemoryRegion>>* held) const {
+  if (!proto.data().empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": data and shm are exclusive (shm set, with ",
+                     proto.data().size(), " bytes of data)"));
+  }
+  // The shape and dtype are decoded as for bytes; only their place differs.
+  const DType dtype = DTypeFromProto(proto.dtype());
+  if (dtype == DType::kInvalid) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": dtype is missing or unknown (",
+                     static_cast<int>(proto.dtype()), ")"));
+  }
+  if (proto.shape_size() > 8) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": rank ", proto.shape_size(), " is above 8"));
+  }
+  int64_t numel = 1;
+  for (int64_t d : proto.shape()) {
+    // Bounded so that the byte count below cannot overflow.
+    if (d < 0 || (d > 0 && numel > (int64_t{1} << 40) / d)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": shape [", absl::StrJoin(proto.shape(), ", "),
+                       "] has a negative or too large dimension"));
+    }
+    numel *= d;
+  }
+  const int64_t num_bytes = numel * static_cast<int64_t>(DTypeSize(dtype));
+  absl::StatusOr<char*> place = SharedMemoryPlace(
+      proto.shm(), num_bytes, absl::StrCat(field, ".shm"), caller, held);
+  if (!place.ok()) return place.status();
+  // A copy: the client may write the region while the server works, and
+  // the kernel must see the values it validated.
+  absl::StatusOr<Tensor> t = Tensor::FromHostBytes(
+      CpuDevice(), dtype, Shape(proto.shape().begin(), proto.shape().end()),
+      *place, static_cast<size_t>(num_bytes));
+  if (!t.ok()) {
+    return absl::Status(t.status().code(),
+                        absl::StrCat(field, ": ", t.status().message()));
+  }
+  return t;
+}
+
 grpc::Status KvStepService::PagedAttention(grpc::ServerContext* ctx,
                                            const v1::PagedAttentionRequest* req,
                                            v1::PagedAttentionResponse* resp) {
@@ -525,8 +632,13 @@ grpc::Status KvStepService::PagedAttention(grpc::ServerContext* ctx,
         // of that size (with KeepFreedMemory, a 975-token call took
         // 0.79-0.89x the time of copies without it; rpc_bench
         // --prefill_tokens).
+        // Regions this call reads or writes, held until it returns.
+        std::vector<std::shared_ptr<const SharedMemoryRegion>> held;
         for (const auto& [proto, present, field, out] : tensors) {
-          absl::StatusOr<Tensor> t = TensorViewOfProto(proto, present, field);
+          absl::StatusOr<Tensor> t =
+              present && proto.has_shm() && out != &alibi
+                  ? TensorFromSharedMemory(proto, field, caller, &held)
+                  : TensorViewOfProto(proto, present, field);
           if (!t.ok()) return ToGrpcStatus(t.status());
           *out = *std::move(t);
         }
@@ -556,6 +668,16 @@ grpc::Status KvStepService::PagedAttention(grpc::ServerContext* ctx,
           default:
             return Invalid(
                 "kernel is not a known PagedAttentionRequest.Kernel");
+        }
+        // The output's place is checked before anything is written: the
+        // output takes the query's bytes (same shape and dtype).
+        char* out_place = nullptr;
+        if (req->has_out_shm()) {
+          absl::StatusOr<char*> p = SharedMemoryPlace(
+              req->out_shm(), static_cast<int64_t>(a.query.nbytes()), "out_shm",
+              caller, &held);
+          if (!p.ok()) return ToGrpcStatus(p.status());
+          out_place = *p;
         }
         const bool explicit_mode =
             req->has_block_tables() || req->has_seq_lens() ||
@@ -614,7 +736,15 @@ grpc::Status KvStepService::PagedAttention(grpc::ServerContext* ctx,
           out = engine_->PagedAttentionExplicit(a, rows, IndexValues(slots));
         }
         if (!out.ok()) return ToGrpcStatus(out.status());
-        TensorToProto(*out, resp->mutable_out());
+        if (out_place != nullptr) {
+          std::memcpy(out_place, out->raw_data(), out->nbytes());
+          v1::Tensor* o = resp->mutable_out();
+          o->set_dtype(DTypeToProto(out->dtype()));
+          o->mutable_shape()->Assign(out->shape().begin(), out->shape().end());
+          *o->mutable_shm() = req->out_shm();
+        } else {
+          TensorToProto(*out, resp->mutable_out());
+        }
         return grpc::Status::OK;
       });
 }

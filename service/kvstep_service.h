@@ -10,12 +10,15 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "core/engine.h"
 #include "kvstep/v1/kvstep.grpc.pb.h"
 #include "service/metrics.h"
 #include "service/rpc.h"
+#include "service/shared_memory.h"
 
 namespace kvstep {
 
@@ -30,13 +33,16 @@ struct ServiceOptions {
   // Non-empty: every KvStep call must carry `authorization: Bearer <token>`.
   std::string auth_token;
   Metrics* metrics = nullptr;  // optional; must outlive the service
+  SharedMemoryLimits shared_memory;
 };
 
 class KvStepService final : public v1::KvStep::Service {
  public:
   // `engine` must outlive the service.
   KvStepService(Engine* engine, ServiceOptions options)
-      : engine_(engine), options_(std::move(options)) {}
+      : engine_(engine),
+        options_(std::move(options)),
+        shared_memory_(options_.shared_memory) {}
 
   grpc::Status GetServerInfo(grpc::ServerContext* ctx,
                              const v1::GetServerInfoRequest* req,
@@ -87,6 +93,18 @@ class KvStepService final : public v1::KvStep::Service {
   grpc::Status CloseSession(grpc::ServerContext* ctx,
                             const v1::CloseSessionRequest* req,
                             v1::CloseSessionResponse* resp) override;
+  grpc::Status RegisterSharedMemory(
+      grpc::ServerContext* ctx, const v1::RegisterSharedMemoryRequest* req,
+      v1::RegisterSharedMemoryResponse* resp) override;
+  grpc::Status UnregisterSharedMemory(
+      grpc::ServerContext* ctx, const v1::UnregisterSharedMemoryRequest* req,
+      v1::UnregisterSharedMemoryResponse* resp) override;
+
+  // What a session held outside the engine (its shared-memory regions)
+  // goes with it: CloseSession calls this, and the server's reaper for
+  // lapsed sessions.
+  void SessionEnded(SessionId id) { shared_memory_.EndSession(id); }
+  const SharedMemoryRegistry& shared_memory() const { return shared_memory_; }
 
   // Ends event streams (they would otherwise hold shutdown up until its
   // deadline).
@@ -102,6 +120,17 @@ class KvStepService final : public v1::KvStep::Service {
   template <typename Body>
   grpc::Status Run(Rpc rpc, grpc::ServerContext* ctx, Body&& body);
 
+  // Where `ref` puts num_bytes for the caller, its region added to `held`
+  // (kept mapped for the call): NOT_FOUND, PERMISSION_DENIED or
+  // OUT_OF_RANGE naming `field`.
+  absl::StatusOr<char*> SharedMemoryPlace(
+      const v1::SharedMemoryRef& ref, int64_t num_bytes,
+      absl::string_view field, const Caller& caller,
+      std::vector<std::shared_ptr<const SharedMemoryRegion>>* held) const;
+  // A request tensor whose bytes are in shared memory (proto.shm), copied.
+  absl::StatusOr<Tensor> TensorFromSharedMemory(
+      const v1::Tensor& proto, absl::string_view field, const Caller& caller,
+      std::vector<std::shared_ptr<const SharedMemoryRegion>>* held) const;
   grpc::Status AdvanceExplicit(const v1::AdvanceStepRequest& req,
                                v1::AdvanceStepResponse* resp);
   grpc::Status Swap(const v1::SwapRequest& req, bool out, const Caller& caller,
@@ -109,6 +138,7 @@ class KvStepService final : public v1::KvStep::Service {
 
   Engine* const engine_;
   const ServiceOptions options_;
+  SharedMemoryRegistry shared_memory_;
   std::atomic<bool> shutting_down_{false};
 };
 

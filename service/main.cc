@@ -77,6 +77,11 @@ ABSL_FLAG(absl::Duration, session_ttl, absl::Seconds(30),
 ABSL_FLAG(absl::Duration, max_session_ttl, absl::Hours(24),
           "longest TTL a session may ask for");
 ABSL_FLAG(int64_t, max_sessions, 1024, "open sessions");
+ABSL_FLAG(int64_t, max_shared_memory_regions, 64,
+          "shared-memory regions clients on this host may register at once "
+          "(RegisterSharedMemory; 0: none)");
+ABSL_FLAG(int64_t, max_shared_memory_mib, 16384,
+          "their bytes mapped at once, in MiB");
 ABSL_FLAG(bool, keep_freed_memory, true,
           "keep freed heap memory for reuse (glibc malloc: no fresh pages "
           "for each large message's buffers; see KeepFreedMemory)");
@@ -172,6 +177,16 @@ int main(int argc, char** argv) {
   opt.engine.default_session_ttl = absl::GetFlag(FLAGS_session_ttl);
   opt.engine.max_session_ttl = absl::GetFlag(FLAGS_max_session_ttl);
   l.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  opt.shared_memory.max_regions =
+      absl::GetFlag(FLAGS_max_shared_memory_regions);
+  const int64_t shm_mib = absl::GetFlag(FLAGS_max_shared_memory_mib);
+  if (opt.shared_memory.max_regions < 0 || shm_mib < 0 ||
+      shm_mib > (int64_t{1} << 30)) {
+    return Fail(
+        "--max_shared_memory_regions must be >= 0 and "
+        "--max_shared_memory_mib in [0, 2^30]");
+  }
+  opt.shared_memory.max_bytes = shm_mib << 20;
   opt.tls.cert_file = absl::GetFlag(FLAGS_tls_cert);
   opt.tls.key_file = absl::GetFlag(FLAGS_tls_key);
   opt.tls.client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);

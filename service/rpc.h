@@ -22,18 +22,33 @@ enum class Rpc : int {
   kOpenSession,
   kKeepAlive,
   kCloseSession,
+  kRegisterSharedMemory,
+  kUnregisterSharedMemory,
 };
-inline constexpr int kNumRpcs = static_cast<int>(Rpc::kCloseSession) + 1;
+inline constexpr int kNumRpcs =
+    static_cast<int>(Rpc::kUnregisterSharedMemory) + 1;
 
 // The method name as in the proto ("AllocateBlocks").
 inline const char* RpcName(Rpc rpc) {
-  static constexpr const char* kNames[kNumRpcs] = {
-      "GetServerInfo",    "AllocateBlocks",    "FreeSequences",
-      "CreateBatch",      "GetBatch",          "ReleaseBatches",
-      "AdvanceStep",      "PagedAttention",    "ForkSequence",
-      "CanAllocate",      "SwapOut",           "SwapIn",
-      "ResetPrefixCache", "SubscribeKvEvents", "OpenSession",
-      "KeepAlive",        "CloseSession"};
+  static constexpr const char* kNames[kNumRpcs] = {"GetServerInfo",
+                                                   "AllocateBlocks",
+                                                   "FreeSequences",
+                                                   "CreateBatch",
+                                                   "GetBatch",
+                                                   "ReleaseBatches",
+                                                   "AdvanceStep",
+                                                   "PagedAttention",
+                                                   "ForkSequence",
+                                                   "CanAllocate",
+                                                   "SwapOut",
+                                                   "SwapIn",
+                                                   "ResetPrefixCache",
+                                                   "SubscribeKvEvents",
+                                                   "OpenSession",
+                                                   "KeepAlive",
+                                                   "CloseSession",
+                                                   "RegisterSharedMemory",
+                                                   "UnregisterSharedMemory"};
   return kNames[static_cast<int>(rpc)];
 }
 

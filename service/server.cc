@@ -113,6 +113,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(
   service_options.max_message_bytes = options.max_message_bytes;
   service_options.auth_token = options.auth_token;
   service_options.metrics = s->metrics_.get();
+  service_options.shared_memory = options.shared_memory;
   s->service_ = std::make_unique<KvStepService>(s->engine_.get(),
                                                 std::move(service_options));
 
@@ -198,6 +199,7 @@ void Server::ReapLoop(absl::Duration interval) {
     // Takes the engine lock under reap_mu_; Shutdown only sets a flag under
     // reap_mu_, so the order is fixed and cannot deadlock.
     for (const SessionEnd& end : engine_->ExpireSessions()) {
+      service_->SessionEnded(end.id);
       KVSTEP_LOG(kWarning,
                  "session %d ('%s') lapsed: freed %d sequences (%d blocks), "
                  "released %d batches",

@@ -50,6 +50,8 @@ struct ServerOptions {
   // How often lapsed sessions are looked for (their blocks come back at most
   // this long after the TTL).
   absl::Duration session_reap_interval = absl::Milliseconds(250);
+  // Regions clients may register (RegisterSharedMemory), and their bytes.
+  SharedMemoryLimits shared_memory;
 };
 
 class Server {

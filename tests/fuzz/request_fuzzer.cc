@@ -149,6 +149,19 @@ void RunCalls(const uint8_t* data, size_t size, BlockOrder order) {
         break;
       case Rpc::kSubscribeKvEvents:
         break;  // a stream that runs until cancelled: not fuzzed here
+      // A fuzzed call has no unix peer, so Register is refused before any
+      // path is opened (a fuzzer must not open files); Unregister and the
+      // shm fields of PagedAttention then meet an empty registry.
+      case Rpc::kRegisterSharedMemory:
+        kvstep::Call<v1::RegisterSharedMemoryRequest,
+                     v1::RegisterSharedMemoryResponse>(
+            s, &KvStepService::RegisterSharedMemory, data, n);
+        break;
+      case Rpc::kUnregisterSharedMemory:
+        kvstep::Call<v1::UnregisterSharedMemoryRequest,
+                     v1::UnregisterSharedMemoryResponse>(
+            s, &KvStepService::UnregisterSharedMemory, data, n);
+        break;
     }
     data += n;
     size -= n;
