@@ -216,6 +216,25 @@ class Client:
     def reset_prefix_cache(self):
         return self._call("ResetPrefixCache", pb.ResetPrefixCacheRequest())
 
+    # ---- shared memory -------------------------------------------------------
+
+    def register_shared_memory(self, shm):
+        """Registers a kvstep.SharedMemory with the server (same host, unix
+        socket) and notes its region id on it; returns the id."""
+        reply = self._call("RegisterSharedMemory",
+                           pb.RegisterSharedMemoryRequest(path=shm.path,
+                                                          size=shm.size))
+        shm.region_id = reply.region_id
+        return reply.region_id
+
+    def unregister_shared_memory(self, shm):
+        """Unregisters a kvstep.SharedMemory (or a region id)."""
+        region_id = getattr(shm, "region_id", shm)
+        self._call("UnregisterSharedMemory",
+                   pb.UnregisterSharedMemoryRequest(region_id=region_id))
+        if hasattr(shm, "region_id"):
+            shm.region_id = 0
+
     # ---- batches and steps ---------------------------------------------------
 
     def create_batch(self, rows, **fields):
@@ -252,7 +271,7 @@ class Client:
                         sliding_window=0, k_scale=0.0, v_scale=0.0,
                         kernel=pb.PagedAttentionRequest.KERNEL_AUTO,
                         block_tables=None, seq_lens=None, slot_mapping=None,
-                        query_start_loc=None, timeout=None):
+                        query_start_loc=None, shm=None, timeout=None):
         """Writes the step's key and value into `layer`'s cache and returns
         the attention output, a numpy array [num_tokens, num_heads,
         head_size] of the query's dtype (bfloat16: its uint16 bits).
@@ -263,14 +282,26 @@ class Client:
         server-held batch's slot_mapping, seq_lens, block_tables and
         query_start_loc are used; without it (explicit mode) they are given
         here, as vLLM's op takes them.
+
+        shm: a registered kvstep.SharedMemory. The query, key and value are
+        copied into it (in that order, each at a 64-byte boundary from 0)
+        and the output is written there by the server, instead of both
+        travelling in the messages; the region must hold all four.
         """
         req = pb.PagedAttentionRequest(
             batch_id=batch_id, layer=layer, scale=scale,
             sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale,
             kernel=kernel)
-        tensors.to_tensor(query, dtype, out=req.query)
-        tensors.to_tensor(key, dtype, out=req.key)
-        tensors.to_tensor(value, dtype, out=req.value)
+        if shm is None:
+            tensors.to_tensor(query, dtype, out=req.query)
+            tensors.to_tensor(key, dtype, out=req.key)
+            tensors.to_tensor(value, dtype, out=req.value)
+        else:
+            out_place = self._place_in_shm(
+                shm, ((query, req.query), (key, req.key),
+                      (value, req.value)), dtype)
+            req.out_shm.region_id = shm.region_id
+            req.out_shm.offset = out_place
         if alibi_slopes is not None:
             tensors.to_tensor(alibi_slopes, pb.DTYPE_FLOAT32,
                               out=req.alibi_slopes)
@@ -279,8 +310,35 @@ class Client:
                         ("query_start_loc", query_start_loc)):
             if v is not None:
                 tensors.to_tensor(v, out=getattr(req, name))
-        return tensors.from_tensor(
-            self._call("PagedAttention", req, timeout).out)
+        out = self._call("PagedAttention", req, timeout).out
+        if shm is None:
+            return tensors.from_tensor(out)
+        # A copy: the region is the next call's.
+        return np.array(shm.array(out.shm.offset, tuple(out.shape),
+                                  tensors.numpy_dtype(out.dtype)))
+
+    @staticmethod
+    def _place_in_shm(shm, items, dtype):
+        """Copies each (array, Tensor field) into `shm`, 64-byte aligned from
+        0, and points the field there; returns the offset after them, which
+        is where the output goes (checked to fit: it is the first array's
+        size)."""
+        if not shm.region_id:
+            raise ValueError("the SharedMemory is not registered "
+                             "(Client.register_shared_memory)")
+        offset = 0
+        for array, field in items:
+            wire_dtype, wire = tensors.to_wire(array, dtype)
+            shm.array(offset, wire.shape, wire.dtype)[...] = wire
+            field.dtype = wire_dtype
+            field.shape.extend(wire.shape)
+            field.shm.region_id = shm.region_id
+            field.shm.offset = offset
+            offset += (wire.nbytes + 63) // 64 * 64
+        # The output takes the query's shape and dtype: check it fits.
+        query = items[0][1]
+        shm.array(offset, tuple(query.shape), tensors.numpy_dtype(query.dtype))
+        return offset
 
     # ---- events --------------------------------------------------------------
 

@@ -41,20 +41,9 @@ def dtype_name(dtype):
         return str(dtype)
 
 
-def to_tensor(array, dtype=None, out=None):
-    """A kvstep.v1.Tensor holding `array` (anything np.asarray takes).
-
-    With no `dtype`, int32, int64, float32 and float16 arrays keep their
-    type; other arrays must name one. Integer dtypes take integers, and
-    bfloat16 and fp8 their raw bits (uint16 and uint8 arrays, or any
-    integers that fit): a float array for them, or a value that does not fit,
-    is a ValueError rather than a silent truncation. Float dtypes take any
-    numbers, converted as numpy's astype does (float64 to float32 rounds).
-
-    `out`: a Tensor field of a request to fill in place (and return), which
-    spares copying a new Tensor's bytes into it: 0.55x the time of
-    building a PagedAttentionRequest of a 64-row decode step's tensors.
-    """
+def to_wire(array, dtype=None):
+    """(wire dtype, a contiguous little-endian numpy array of its bytes) for
+    `array`, with to_tensor's rules and checks."""
     a = np.asarray(array)
     if dtype is None:
         native = a.dtype.newbyteorder("=")  # '>f4' is a float32 too
@@ -77,13 +66,37 @@ def to_tensor(array, dtype=None, out=None):
             raise ValueError(
                 f"to_tensor: values outside {dtype_name(dtype)}'s range "
                 f"[{info.min}, {info.max}]")
-    wire = np.ascontiguousarray(a, dtype=want)
+    return dtype, np.ascontiguousarray(a, dtype=want)
+
+
+def numpy_dtype(dtype):
+    """The numpy type of a wire dtype's elements (bits for bf16 and fp8)."""
+    if dtype not in _NUMPY:
+        raise ValueError(f"unknown dtype {dtype_name(dtype)}")
+    return _NUMPY[dtype]
+
+
+def to_tensor(array, dtype=None, out=None):
+    """A kvstep.v1.Tensor holding `array` (anything np.asarray takes).
+
+    With no `dtype`, int32, int64, float32 and float16 arrays keep their
+    type; other arrays must name one. Integer dtypes take integers, and
+    bfloat16 and fp8 their raw bits (uint16 and uint8 arrays, or any
+    integers that fit): a float array for them, or a value that does not fit,
+    is a ValueError rather than a silent truncation. Float dtypes take any
+    numbers, converted as numpy's astype does (float64 to float32 rounds).
+
+    `out`: a Tensor field of a request to fill in place (and return), which
+    spares copying a new Tensor's bytes into it: 0.55x the time of
+    building a PagedAttentionRequest of a 64-row decode step's tensors.
+    """
+    dtype, wire = to_wire(array, dtype)
     if out is None:
         out = pb.Tensor()
     else:
         out.Clear()
     out.dtype = dtype
-    out.shape.extend(a.shape)
+    out.shape.extend(wire.shape)
     out.data = wire.tobytes()
     return out
 

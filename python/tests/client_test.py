@@ -259,6 +259,43 @@ class ClientTest(unittest.TestCase):
                      "explicit decode")
         c.free_sequences([10])
 
+    def test_shared_memory_gives_the_bytes_results(self):
+        c = self.client
+        c.allocate_blocks([(40, 30)])
+        batch = c.create_batch([dict(seq_id=40, token_ids=list(range(30)))])
+        q = self.activations(30, HEADS)
+        k = self.activations(30, KV_HEADS)
+        v = self.activations(30, KV_HEADS)
+        by_bytes = c.paged_attention(0, q, k, v, batch_id=batch.batch_id)
+        with kvstep.SharedMemory(1 << 20) as shm:
+            with self.assertRaisesRegex(ValueError, "not registered"):
+                c.paged_attention(1, q, k, v, batch_id=batch.batch_id,
+                                  shm=shm)
+            c.register_shared_memory(shm)
+            self.assertGreater(shm.region_id, 0)
+            # Layer 1 through shared memory: the same bytes.
+            by_shm = c.paged_attention(1, q, k, v, batch_id=batch.batch_id,
+                                       shm=shm)
+            np.testing.assert_array_equal(by_shm, by_bytes)
+            # The region holds the output after the inputs.
+            n = q.nbytes + 2 * ((k.nbytes + 63) // 64 * 64)
+            np.testing.assert_array_equal(
+                shm.array(n, q.shape, np.float32), by_bytes)
+            # A region too small for the output is refused before any call.
+            with kvstep.SharedMemory(q.nbytes + 2 * k.nbytes) as small:
+                small.region_id = shm.region_id  # never sent
+                with self.assertRaisesRegex(ValueError, "do not fit"):
+                    c.paged_attention(1, q, k, v, batch_id=batch.batch_id,
+                                      shm=small)
+            region = shm.region_id
+            c.unregister_shared_memory(shm)
+            self.assertEqual(shm.region_id, 0)
+            with self.assertRaises(grpc.RpcError) as e:
+                c.unregister_shared_memory(region)
+            self.assertEqual(e.exception.code(), grpc.StatusCode.NOT_FOUND)
+        c.release_batches([batch.batch_id])
+        c.free_sequences([40])
+
     def test_refusals_name_the_field_and_change_nothing(self):
         c = self.client
         c.allocate_blocks([(20, 8)])
