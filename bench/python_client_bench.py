@@ -17,6 +17,10 @@ a unix socket and times:
   client attention     Client.paged_attention for the same: numpy query, key
                        and value (float16) to the request, the output back
                        as a numpy array;
+  client attention, shm  the same with shm=: the arrays copied into a
+                       registered kvstep.SharedMemory and the output copied
+                       out of it, nothing but the tensors' places in the
+                       messages;
 in a random order each round; then, alternated with a stub ping:
   client advance step  Client.advance_step for the --rows rows (a numpy
                        int64 array in, no tensors back).
@@ -69,6 +73,8 @@ def main():
         req = pb.PagedAttentionRequest(
             batch_id=batch.batch_id, layer=0, query=kvstep.to_tensor(q),
             key=kvstep.to_tensor(kv), value=kvstep.to_tensor(kv))
+        shm = kvstep.SharedMemory(4 << 20)
+        c.register_shared_memory(shm)
         calls = {
             "stub ping": lambda: c.stub.GetServerInfo(
                 pb.GetServerInfoRequest(), timeout=10),
@@ -76,6 +82,8 @@ def main():
             "stub attention": lambda: c.stub.PagedAttention(req, timeout=10),
             "client attention": lambda: c.paged_attention(
                 0, q, kv, kv, batch_id=batch.batch_id),
+            "client attention, shm": lambda: c.paged_attention(
+                0, q, kv, kv, batch_id=batch.batch_id, shm=shm),
         }
         times = {k: [] for k in calls}
         names = list(calls)
@@ -109,6 +117,7 @@ def main():
         pairs = {"client ping": "stub ping", "stub ping": "stub ping",
                  "stub attention": "stub attention",
                  "client attention": "stub attention",
+                 "client attention, shm": "stub attention",
                  "stub ping (with advance)": "stub ping (with advance)",
                  "client advance step": "stub ping (with advance)"}
         for name, v in times.items():
@@ -118,9 +127,10 @@ def main():
             print(f"{label:<34}{np.median(v) * 1e6:9.1f}"
                   f"{np.percentile(v, 90) * 1e6:9.1f}"
                   f"{np.median(v) / base:10.2f}")
-        print(f"({args.rounds} rounds of the first four in random orders, then "
+        print(f"({args.rounds} rounds of the first five in random orders, then "
               f"{len(times['client advance step'])} of the last two; each "
               "ratio is to the stub's call above it)")
+        shm.close()
         c.close()
     finally:
         server.terminate()
