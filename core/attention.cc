@@ -2021,10 +2021,17 @@ absl::Status PagedAttention(const KvCache& cache, int64_t layer,
     return absl::FailedPreconditionError(absl::StrFormat(
         "this CPU has no %s; use Isa::kBest", IsaName(params.isa)));
   }
-  absl::StatusOr<Tensor> o =
-      Tensor::Zeros(CpuDevice(), query.dtype(), query.shape());
-  if (!o.ok()) return o.status();
-  *out = *std::move(o);
+  if (out->defined() && out->dtype() == query.dtype() &&
+      out->shape() == query.shape() && out->device()->host_accessible()) {
+    // The caller's place (shared memory for the service): zero-filled as a
+    // new tensor would be, since rows without keys are left as they are.
+    std::memset(out->raw_data(), 0, out->nbytes());
+  } else {
+    absl::StatusOr<Tensor> o =
+        Tensor::Zeros(CpuDevice(), query.dtype(), query.shape());
+    if (!o.ok()) return o.status();
+    *out = *std::move(o);
+  }
   const bool vllm = c.layout == CacheLayout::kVllm;
   const Isa isa = Resolve(params.isa);
   DispatchCache(c.dtype, [&](auto elem) {

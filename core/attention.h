@@ -371,8 +371,10 @@ absl::Status ValidateAttention(const CacheConfig& cache, const Tensor& query,
                                const AttentionRows& rows,
                                const AttentionParams& params);
 
-// Computes attention into *out (allocated, [num_tokens, num_heads,
-// head_size] in the query dtype). Validates first. `pool` may be null.
+// Computes attention into *out ([num_tokens, num_heads, head_size] in the
+// query dtype): in place when *out is already such a tensor in host memory,
+// else a new one. Validates first (an error leaves *out untouched). `pool`
+// may be null.
 absl::Status PagedAttention(const KvCache& cache, int64_t layer,
                             const Tensor& query, const AttentionRows& rows,
                             const AttentionParams& params, ThreadPool* pool,

@@ -982,7 +982,7 @@ absl::StatusOr<Tensor> Engine::AttendPinned(
   if (attention_kernel_hook_) attention_kernel_hook_();
   AttentionParams params = req.params;
   params.prefetch = attention_prefetch_;
-  Tensor out;
+  Tensor out = req.out;
   const absl::Status s = kvstep::PagedAttention(
       *cache_, req.layer, req.query, rows, params, pool_.get(), &out);
   {

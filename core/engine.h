@@ -130,6 +130,9 @@ struct AttentionRequest {
   Tensor key;    // [num_tokens, num_kv_heads, head_size]: this step's K/V
   Tensor value;
   AttentionParams params;
+  // Optional: where the output goes (the query's dtype and shape, host
+  // memory; the service's shared memory), instead of a new tensor.
+  Tensor out;
 };
 
 struct BlockStats {

@@ -552,8 +552,7 @@ grpc::Status KvStepService::AdvanceExplicit(const v1::AdvanceStepRequest& req,
 
 absl::StatusOr<char*> KvStepService::SharedMemoryPlace(
     const v1::SharedMemoryRef& ref, int64_t num_bytes, absl::string_view field,
-    const Caller& caller,
-    std::vector<std::shared_ptr<const SharedMemoryRegion>>* held) const {
+    const Caller& caller, std::vector<ShmUse>* held) const {
   absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>> region =
       shared_memory_.Find(ref.region_id(), caller.session,
                           absl::StrCat(field, ".region_id"));
@@ -563,13 +562,14 @@ absl::StatusOr<char*> KvStepService::SharedMemoryPlace(
     return s;
   }
   char* place = (*region)->base() + ref.offset();
-  held->push_back(*std::move(region));
+  held->push_back({*std::move(region), ref.offset(), ref.offset() + num_bytes,
+                   std::string(field)});
   return place;
 }
 
 absl::StatusOr<Tensor> KvStepService::TensorFromSharedMemory(
     const v1::Tensor& proto, absl::string_view field, const Caller& caller,
-    std::vector<std::shared_ptr<const SharedMemoryRegion>>* held) const {
+    std::vector<ShmUse>* held) const {
   if (!proto.data().empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, ": data and shm are exclusive (shm set, with ",
@@ -600,11 +600,18 @@ absl::StatusOr<Tensor> KvStepService::TensorFromSharedMemory(
   absl::StatusOr<char*> place = SharedMemoryPlace(
       proto.shm(), num_bytes, absl::StrCat(field, ".shm"), caller, held);
   if (!place.ok()) return place.status();
-  // A copy: the client may write the region while the server works, and
-  // the kernel must see the values it validated.
-  absl::StatusOr<Tensor> t = Tensor::FromHostBytes(
-      CpuDevice(), dtype, Shape(proto.shape().begin(), proto.shape().end()),
-      *place, static_cast<size_t>(num_bytes));
+  // A view of the region where it is aligned to the element (a copy
+  // otherwise). The client may write the region while the server reads it:
+  // that can only give it other numbers back, since the activations are
+  // read as values, never as sizes or indices (the index tensors are never
+  // taken from shared memory), and the mapping cannot shrink (the seal).
+  Shape shape(proto.shape().begin(), proto.shape().end());
+  absl::StatusOr<Tensor> t =
+      reinterpret_cast<uintptr_t>(*place) % DTypeSize(dtype) == 0
+          ? Tensor::WrapHostBytes(dtype, std::move(shape), *place,
+                                  static_cast<size_t>(num_bytes))
+          : Tensor::FromHostBytes(CpuDevice(), dtype, std::move(shape), *place,
+                                  static_cast<size_t>(num_bytes));
   if (!t.ok()) {
     return absl::Status(t.status().code(),
                         absl::StrCat(field, ": ", t.status().message()));
@@ -633,7 +640,7 @@ grpc::Status KvStepService::PagedAttention(grpc::ServerContext* ctx,
         // 0.79-0.89x the time of copies without it; rpc_bench
         // --prefill_tokens).
         // Regions this call reads or writes, held until it returns.
-        std::vector<std::shared_ptr<const SharedMemoryRegion>> held;
+        std::vector<ShmUse> held;
         for (const auto& [proto, present, field, out] : tensors) {
           absl::StatusOr<Tensor> t =
               present && proto.has_shm() && out != &alibi
@@ -678,6 +685,28 @@ grpc::Status KvStepService::PagedAttention(grpc::ServerContext* ctx,
               caller, &held);
           if (!p.ok()) return ToGrpcStatus(p.status());
           out_place = *p;
+          // The kernel zero-fills its output before it reads the query: an
+          // output over an input would compute from zeros.
+          const ShmUse& o = held.back();
+          for (size_t i = 0; i + 1 < held.size(); ++i) {
+            if (held[i].region == o.region && held[i].begin < o.end &&
+                o.begin < held[i].end && held[i].begin < held[i].end &&
+                o.begin < o.end) {
+              return Invalid(absl::StrFormat(
+                  "out_shm: bytes [%d, %d) overlap %s's [%d, %d)", o.begin,
+                  o.end, held[i].field, held[i].begin, held[i].end));
+            }
+          }
+          // The kernel writes there itself where the place is aligned to
+          // the element; otherwise its output is copied there.
+          if (reinterpret_cast<uintptr_t>(out_place) %
+                  DTypeSize(a.query.dtype()) ==
+              0) {
+            absl::StatusOr<Tensor> o = Tensor::WrapHostBytes(
+                a.query.dtype(), a.query.shape(), out_place, a.query.nbytes());
+            if (!o.ok()) return ToGrpcStatus(o.status());
+            a.out = *std::move(o);
+          }
         }
         const bool explicit_mode =
             req->has_block_tables() || req->has_seq_lens() ||
@@ -737,7 +766,9 @@ grpc::Status KvStepService::PagedAttention(grpc::ServerContext* ctx,
         }
         if (!out.ok()) return ToGrpcStatus(out.status());
         if (out_place != nullptr) {
-          std::memcpy(out_place, out->raw_data(), out->nbytes());
+          if (out->raw_data() != out_place) {
+            std::memcpy(out_place, out->raw_data(), out->nbytes());
+          }
           v1::Tensor* o = resp->mutable_out();
           o->set_dtype(DTypeToProto(out->dtype()));
           o->mutable_shape()->Assign(out->shape().begin(), out->shape().end());

@@ -120,17 +120,25 @@ class KvStepService final : public v1::KvStep::Service {
   template <typename Body>
   grpc::Status Run(Rpc rpc, grpc::ServerContext* ctx, Body&& body);
 
-  // Where `ref` puts num_bytes for the caller, its region added to `held`
-  // (kept mapped for the call): NOT_FOUND, PERMISSION_DENIED or
-  // OUT_OF_RANGE naming `field`.
-  absl::StatusOr<char*> SharedMemoryPlace(
-      const v1::SharedMemoryRef& ref, int64_t num_bytes,
-      absl::string_view field, const Caller& caller,
-      std::vector<std::shared_ptr<const SharedMemoryRegion>>* held) const;
-  // A request tensor whose bytes are in shared memory (proto.shm), copied.
+  // A call's use of shared memory: the region (kept mapped until the call
+  // returns) and the bytes [begin, end) of it that `field` names.
+  struct ShmUse {
+    std::shared_ptr<const SharedMemoryRegion> region;
+    int64_t begin = 0, end = 0;
+    std::string field;
+  };
+  // Where `ref` puts num_bytes for the caller, its use added to `held`:
+  // NOT_FOUND, PERMISSION_DENIED or OUT_OF_RANGE naming `field`.
+  absl::StatusOr<char*> SharedMemoryPlace(const v1::SharedMemoryRef& ref,
+                                          int64_t num_bytes,
+                                          absl::string_view field,
+                                          const Caller& caller,
+                                          std::vector<ShmUse>* held) const;
+  // A request tensor whose bytes are in shared memory (proto.shm): a view
+  // of them where aligned, else a copy.
   absl::StatusOr<Tensor> TensorFromSharedMemory(
       const v1::Tensor& proto, absl::string_view field, const Caller& caller,
-      std::vector<std::shared_ptr<const SharedMemoryRegion>>* held) const;
+      std::vector<ShmUse>* held) const;
   grpc::Status AdvanceExplicit(const v1::AdvanceStepRequest& req,
                                v1::AdvanceStepResponse* resp);
   grpc::Status Swap(const v1::SwapRequest& req, bool out, const Caller& caller,

@@ -161,6 +161,22 @@ TEST_F(SharedMemoryTest, TensorsInSharedMemoryGiveTheBytesResults) {
                         bytes->out().data().size()),
             0);
 
+  // Aligned offsets: the server reads the inputs where they are and the
+  // kernel writes the output there itself. Layer 1 again, written anew.
+  req = Explicit(1, true);
+  *req.mutable_query() = InShm(req.query(), *shm, id, 0);
+  *req.mutable_key() = InShm(req.key(), *shm, id, 65536);
+  *req.mutable_value() = InShm(req.value(), *shm, id, 131072);
+  req.mutable_out_shm()->set_region_id(id);
+  req.mutable_out_shm()->set_offset(196608);
+  std::memset(shm->data() + 196608, 0x7f, q_.size() * sizeof(float));
+  r = client_->PagedAttention(req);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->out().shm().offset(), 196608);
+  EXPECT_EQ(std::memcmp(shm->data() + 196608, bytes->out().data().data(),
+                        bytes->out().data().size()),
+            0);
+
   // Mixed: the query in shared memory, K and V as bytes, the output as
   // bytes; a read of layer 1 (slot -1) gives the same again.
   v1::PagedAttentionRequest mixed = Explicit(1, false);
@@ -273,6 +289,21 @@ TEST_F(SharedMemoryTest, RefusalsNameTheFieldAndWriteNothing) {
       client_->PagedAttention(Explicit(0, false));
   ASSERT_TRUE(after.ok()) << after.status();
   EXPECT_EQ(after->out().data(), before->out().data());
+
+  // An output over an input would be computed from the zeros the kernel
+  // starts it with: refused.
+  {
+    v1::PagedAttentionRequest r = Explicit(0, false);
+    *r.mutable_query() = InShm(r.query(), *shm, id, 0);
+    r.mutable_out_shm()->set_region_id(id);
+    r.mutable_out_shm()->set_offset(q_bytes - 4);
+    absl::StatusOr<v1::PagedAttentionResponse> o = client_->PagedAttention(r);
+    EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(
+        o.status().message(),
+        HasSubstr(absl::StrCat("out_shm: bytes [", q_bytes - 4, ", ",
+                               2 * q_bytes - 4, ") overlap query.shm's [0, ")));
+  }
 
   // Other RPCs' tensors take bytes only.
   v1::AdvanceStepRequest adv;
