@@ -40,18 +40,6 @@ bool IsActivationType(DType d) {
   return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16;
 }
 
-// Activation (query/key/value/out) element access.
-inline float LoadAct(DType d, const void* p, int64_t i) {
-  switch (d) {
-    case DType::kFloat16:
-      return HalfToFloat(static_cast<const uint16_t*>(p)[i]);
-    case DType::kBFloat16:
-      return BF16ToFloat(static_cast<const uint16_t*>(p)[i]);
-    default:
-      return static_cast<const float*>(p)[i];
-  }
-}
-
 // exp(x) for x <= 0 (logits minus their max), branch-free so that loops
 // over it vectorize: 2^(x log2 e) split into 2^n * 2^f with a degree-6
 // polynomial for 2^f on [-0.5, 0.5]; relative error ~2e-7 near 0, plus
@@ -1659,6 +1647,152 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
 
 }  // namespace
 
+// One activation of type kAct (float32, float16 or bfloat16 bits).
+template <DType kAct>
+inline float LoadActAs(const void* p, int64_t i) {
+  if constexpr (kAct == DType::kFloat16) {
+    return HalfToFloat(static_cast<const uint16_t*>(p)[i]);
+  } else if constexpr (kAct == DType::kBFloat16) {
+    return BF16ToFloat(static_cast<const uint16_t*>(p)[i]);
+  } else {
+    return static_cast<const float*>(p)[i];
+  }
+}
+
+#ifdef KVSTEP_ATTN_X86
+// FloatToHalf over n floats by F16C (callers check HasAvx2, which needs
+// it), with the same bits: both round to nearest even, subnormals and
+// overflow to Inf included, and NaN is then made FloatToHalf's (sign |
+// 0x7e00) where F16C keeps a truncated payload. ReshapeAndCache of fp32
+// activations into an fp16 cache takes 0.15-0.16x the time of its
+// per-element loop with it (bench/reshape_and_cache_bench).
+__attribute__((target("avx,f16c"))) void FloatsToHalvesF16c(const float* src,
+                                                            int64_t n,
+                                                            uint16_t* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h =
+        _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), h);
+  }
+  for (; i < n; ++i) out[i] = FloatToHalf(src[i]);
+  for (i = 0; i < n; ++i) {
+    if ((out[i] & 0x7fff) > 0x7c00) out[i] = (out[i] & 0x8000) | 0x7e00;
+  }
+}
+#endif
+
+// n activations of type kAct from src[i0] as cache elements into out;
+// false if one is not finite there. Where the activation and the cache
+// have the same 16- or 32-bit type, the bits are copied (a round trip
+// through float would give the same bits, signalling NaNs aside, which
+// it would quiet).
+template <typename Elem, DType kAct>
+bool ConvertRow(const void* src, int64_t i0, int64_t n, float scale,
+                typename Elem::T* out) {
+  using T = typename Elem::T;
+  constexpr bool kSame = std::is_same_v<Elem, CacheElem<kAct>>;
+  if constexpr (kSame) {
+    std::memcpy(out, static_cast<const T*>(src) + i0, n * sizeof(T));
+#ifdef KVSTEP_ATTN_X86
+  } else if (std::is_same_v<Elem, CacheElem<DType::kFloat16>> &&
+             kAct == DType::kFloat32 && HasAvx2()) {
+    FloatsToHalvesF16c(static_cast<const float*>(src) + i0, n,
+                       reinterpret_cast<uint16_t*>(out));
+#endif
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      out[i] = Elem::Store(LoadActAs<kAct>(src, i0 + i), scale);
+    }
+  }
+  bool finite = true;
+  for (int64_t i = 0; i < n; ++i) finite &= Elem::Finite(out[i]);
+  return finite;
+}
+
+// The store loop of ReshapeAndCache for keys (`keys`) or values, after its
+// checks: each token's row converted once, then written in the layout's
+// order (whole rows for NHD; for vLLM's, x-element chunks of a key and one
+// element every block_size of a value). `reference`: the per-element loop
+// this replaced (every element converted and placed by the index
+// functions), kept for the test that both store the same bytes. Returns
+// whether every element stored is finite.
+template <typename Elem, DType kAct>
+bool StoreSide(const Geometry& g, typename Elem::T* cache, const void* src,
+               absl::Span<const int64_t> slots, float scale, bool keys,
+               bool reference) {
+  using T = typename Elem::T;
+  const int64_t H = g.heads, D = g.d, bs = g.bs;
+  bool finite = true;
+  if (reference) {
+    for (int64_t t = 0; t < static_cast<int64_t>(slots.size()); ++t) {
+      if (slots[t] < 0) continue;
+      const int64_t b = slots[t] / bs, o = slots[t] % bs;
+      for (int64_t h = 0; h < H; ++h) {
+        for (int64_t d = 0; d < D; ++d) {
+          const T e =
+              Elem::Store(LoadActAs<kAct>(src, (t * H + h) * D + d), scale);
+          cache[keys ? g.KeyIndex(b, h, d, o) : g.ValueIndex(b, h, d, o)] = e;
+          finite = finite && Elem::Finite(e);
+        }
+      }
+    }
+    return finite;
+  }
+  std::vector<T> row(static_cast<size_t>(D));
+  for (int64_t t = 0; t < static_cast<int64_t>(slots.size()); ++t) {
+    if (slots[t] < 0) continue;
+    const int64_t b = slots[t] / bs, o = slots[t] % bs;
+    for (int64_t h = 0; h < H; ++h) {
+      finite &=
+          ConvertRow<Elem, kAct>(src, (t * H + h) * D, D, scale, row.data());
+      if (!g.vllm) {
+        std::memcpy(cache + g.KeyIndex(b, h, 0, o), row.data(), D * sizeof(T));
+      } else if (keys) {
+        // [D / x][bs][x] for this block and head.
+        T* dst = cache + g.KeyIndex(b, h, 0, o);
+        for (int64_t j = 0; j < D / g.x; ++j) {
+          std::memcpy(dst + j * bs * g.x, row.data() + j * g.x,
+                      g.x * sizeof(T));
+        }
+      } else {
+        // [D][bs] for this block and head.
+        T* dst = cache + g.ValueIndex(b, h, 0, o);
+        for (int64_t d = 0; d < D; ++d) dst[d * bs] = row[d];
+      }
+    }
+  }
+  return finite;
+}
+
+bool StoreKeysAndValues(const CacheConfig& c, void* key_cache,
+                        void* value_cache, const Tensor& key,
+                        const Tensor& value, absl::Span<const int64_t> slots,
+                        float k_scale, float v_scale, bool reference) {
+  const Geometry g = GeometryOf(c);
+  return DispatchCache(c.dtype, [&](auto elem) {
+    using Elem = decltype(elem);
+    using T = typename Elem::T;
+    auto side = [&](void* cache, const Tensor& src, float scale, bool keys) {
+      T* dst = static_cast<T*>(cache);
+      switch (src.dtype()) {
+        case DType::kFloat16:
+          return StoreSide<Elem, DType::kFloat16>(g, dst, src.raw_data(), slots,
+                                                  scale, keys, reference);
+        case DType::kBFloat16:
+          return StoreSide<Elem, DType::kBFloat16>(
+              g, dst, src.raw_data(), slots, scale, keys, reference);
+        default:
+          return StoreSide<Elem, DType::kFloat32>(g, dst, src.raw_data(), slots,
+                                                  scale, keys, reference);
+      }
+    };
+    const bool k = side(key_cache, key, k_scale, /*keys=*/true);
+    const bool v = side(value_cache, value, v_scale, /*keys=*/false);
+    return k && v;
+  });
+}
+
 absl::Status ReshapeAndCache(const KvCache& cache, int64_t layer,
                              const Tensor& key, const Tensor& value,
                              absl::Span<const int64_t> slots, float k_scale,
@@ -1692,39 +1826,18 @@ absl::Status ReshapeAndCache(const KvCache& cache, int64_t layer,
           slots[t], num_slots));
     }
   }
-  const Geometry g = GeometryOf(c);
-  DispatchCache(c.dtype, [&](auto elem) {
-    using Elem = decltype(elem);
-    using T = typename Elem::T;
-    T* kc = static_cast<T*>(cache.key(layer).raw_data());
-    T* vc = static_cast<T*>(cache.value(layer).raw_data());
-    bool finite = true;  // every element stored (see MayHoldNonFinite)
-    for (int64_t t = 0; t < static_cast<int64_t>(slots.size()); ++t) {
-      if (slots[t] < 0) continue;
-      const int64_t b = slots[t] / c.block_size, o = slots[t] % c.block_size;
-      for (int64_t h = 0; h < c.num_kv_heads; ++h) {
-        const int64_t src = (t * c.num_kv_heads + h) * c.head_size;
-        for (int64_t d = 0; d < c.head_size; ++d) {
-          const T k = Elem::Store(LoadAct(key.dtype(), key.raw_data(), src + d),
-                                  k_scale);
-          const T v = Elem::Store(
-              LoadAct(value.dtype(), value.raw_data(), src + d), v_scale);
-          kc[g.KeyIndex(b, h, d, o)] = k;
-          vc[g.ValueIndex(b, h, d, o)] = v;
-          finite = finite && Elem::Finite(k) && Elem::Finite(v);
-        }
-      }
-    }
-    // A model that emits Inf or NaN keys or values is worth an operator's
-    // look; the attention over them stays IEEE (see MayHoldNonFinite).
-    if (!finite && cache.NoteNonFinite(layer)) {
-      KVSTEP_LOG(kWarning,
-                 "layer %d: an Inf or NaN key or value was stored in the KV "
-                 "cache; attention over it gives Inf or NaN, and fp16/fp8 "
-                 "attention on this layer now checks every element it reads",
-                 layer);
-    }
-  });
+  const bool finite = StoreKeysAndValues(
+      c, cache.key(layer).raw_data(), cache.value(layer).raw_data(), key, value,
+      slots, k_scale, v_scale, /*reference=*/false);
+  // A model that emits Inf or NaN keys or values is worth an operator's
+  // look; the attention over them stays IEEE (see MayHoldNonFinite).
+  if (!finite && cache.NoteNonFinite(layer)) {
+    KVSTEP_LOG(kWarning,
+               "layer %d: an Inf or NaN key or value was stored in the KV "
+               "cache; attention over it gives Inf or NaN, and fp16/fp8 "
+               "attention on this layer now checks every element it reads",
+               layer);
+  }
   return absl::OkStatus();
 }
 
@@ -1823,6 +1936,28 @@ bool ParsePrefetch(absl::string_view name, AttentionParams::Prefetch* out) {
 }
 
 namespace internal {
+
+absl::Status ReshapeAndCacheReference(const KvCache& cache, int64_t layer,
+                                      const Tensor& key, const Tensor& value,
+                                      absl::Span<const int64_t> slots,
+                                      float k_scale, float v_scale) {
+  // The same checks first (ReshapeAndCache with nothing to store).
+  if (absl::Status s = ReshapeAndCache(cache, layer, key, value,
+                                       std::vector<int64_t>(slots.size(), -1),
+                                       k_scale, v_scale);
+      !s.ok()) {
+    return s;
+  }
+  for (int64_t s : slots) {
+    if (s < -1 || s >= cache.config().num_blocks * cache.config().block_size) {
+      return absl::OutOfRangeError("slot outside the pool");
+    }
+  }
+  StoreKeysAndValues(cache.config(), cache.key(layer).raw_data(),
+                     cache.value(layer).raw_data(), key, value, slots, k_scale,
+                     v_scale, /*reference=*/true);
+  return absl::OkStatus();
+}
 void ConvertCacheElements(DType dtype, const void* src, int64_t n, float scale,
                           AttentionParams::Isa isa, float* out) {
   DispatchCache(dtype, [&](auto elem) {

@@ -381,6 +381,13 @@ absl::Status PagedAttention(const KvCache& cache, int64_t layer,
                             Tensor* out);
 
 namespace internal {
+// ReshapeAndCache's stores as its per-element loop made them before they
+// were done row by row (the same checks; never flags the layer): for the
+// test that both leave the same bytes in the cache.
+absl::Status ReshapeAndCacheReference(const KvCache& cache, int64_t layer,
+                                      const Tensor& key, const Tensor& value,
+                                      absl::Span<const int64_t> slots,
+                                      float k_scale, float v_scale);
 // The kernel's vector conversion of n cache elements of `dtype` (times
 // `scale` for fp8) to floats, for tests.
 void ConvertCacheElements(DType dtype, const void* src, int64_t n, float scale,

@@ -2295,6 +2295,74 @@ TEST(ReshapeAndCache, NonFiniteFlagPerLayer) {
   }
 }
 
+// ReshapeAndCache stores row by row (a same-type row as its bits); the
+// bytes it leaves must be the per-element loop's it replaced, for every
+// cache dtype, layout, block size and activation dtype (key and value of
+// different ones too), with slot -1 skipped, NaN, Inf, values past fp8's
+// and fp16's range and fp16 subnormals among the inputs; and a store of a
+// same-type non-finite row flags the layer.
+TEST(ReshapeAndCache, RowStoresMatchTheElementLoop) {
+  std::mt19937_64 rng(11);
+  std::uniform_real_distribution<float> uni(-2, 2);
+  const float odd[] = {std::nanf(""), std::numeric_limits<float>::infinity(),
+                       -1e6f, 3e-6f, 500.0f, -0.0f};
+  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16,
+                      DType::kFp8E4M3, DType::kFp8E5M2}) {
+    for (CacheLayout layout : {CacheLayout::kVllm, CacheLayout::kNhd}) {
+      for (int64_t bs : {8, 16}) {
+        for (DType kd : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+          for (DType vd : {DType::kFloat32, DType::kFloat16,
+                           DType::kBFloat16}) {
+            SCOPED_TRACE(::testing::Message()
+                         << DTypeName(dtype) << " " << CacheLayoutName(layout)
+                         << " bs " << bs << " key " << DTypeName(kd)
+                         << " value " << DTypeName(vd));
+            constexpr int64_t kKv = 2, kD = 80, kBlocks = 6, kT = 7;
+            auto fast = SmallCache(dtype, kBlocks, bs, kKv, kD, 1, layout);
+            auto ref = SmallCache(dtype, kBlocks, bs, kKv, kD, 1, layout);
+            // The same garbage under both: what a skipped slot keeps.
+            for (KvCache* c : {fast.get(), ref.get()}) {
+              for (const Tensor* side : {&c->key(0), &c->value(0)}) {
+                auto* p = static_cast<uint8_t*>(const_cast<void*>(side->raw_data()));
+                for (size_t i = 0; i < side->nbytes(); ++i) {
+                  p[i] = static_cast<uint8_t>(i * 7 + 3);
+                }
+              }
+            }
+            std::vector<float> k(kT * kKv * kD), v(k.size());
+            for (size_t i = 0; i < k.size(); ++i) {
+              k[i] = i % 13 == 0 ? odd[i / 13 % 6] : uni(rng);
+              v[i] = i % 11 == 0 ? odd[i / 11 % 6] : uni(rng);
+            }
+            const std::vector<int64_t> slots = {0, bs * 3 + 5, -1, bs - 1,
+                                                bs * 5 + 2, 1, bs * 2};
+            const Tensor kt = Activations(kd, {kT, kKv, kD}, k);
+            const Tensor vt = Activations(vd, {kT, kKv, kD}, v);
+            ASSERT_TRUE(
+                ReshapeAndCache(*fast, 0, kt, vt, slots, 0.5f, 2.0f).ok());
+            ASSERT_TRUE(internal::ReshapeAndCacheReference(*ref, 0, kt, vt,
+                                                           slots, 0.5f, 2.0f)
+                            .ok());
+            for (bool key : {true, false}) {
+              const Tensor& a = key ? fast->key(0) : fast->value(0);
+              const Tensor& b = key ? ref->key(0) : ref->value(0);
+              ASSERT_EQ(a.nbytes(), b.nbytes());
+              const auto* pa = static_cast<const uint8_t*>(a.raw_data());
+              const auto* pb = static_cast<const uint8_t*>(b.raw_data());
+              const auto diff = std::mismatch(pa, pa + a.nbytes(), pb);
+              EXPECT_EQ(diff.first, pa + a.nbytes())
+                  << (key ? "key" : "value") << " cache byte "
+                  << (diff.first - pa);
+            }
+            // NaN is among the inputs, and stays NaN in every dtype.
+            EXPECT_TRUE(fast->MayHoldNonFinite(0));
+          }
+        }
+      }
+    }
+  }
+}
+
 // An fp16 Inf stored directly into the cache bytes, as a writer other than
 // ReshapeAndCache could: on an unflagged layer the AVX-512 passes by pairs
 // do not check for it (and the output comes out finite: the hazard the
