@@ -35,17 +35,12 @@ absl::StatusOr<Tensor> DecodeTensor(const v1::Tensor& proto, bool present,
         ": shm (shared memory) is accepted only for PagedAttention's query, "
         "key and value; send data"));
   }
-  const DType dtype = DTypeFromProto(proto.dtype());
-  if (dtype == DType::kInvalid) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": dtype is missing or unknown (",
-                     static_cast<int>(proto.dtype()), ")"));
+  DType dtype;
+  Shape shape;
+  if (absl::Status s = TensorMetaFromProto(proto, field, &dtype, &shape);
+      !s.ok()) {
+    return s;
   }
-  if (proto.shape_size() > 8) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": rank ", proto.shape_size(), " is above 8"));
-  }
-  Shape shape(proto.shape().begin(), proto.shape().end());
   const std::string& bytes = proto.data();
   // A view writes nothing through its pointer (TensorViewOfProto's
   // contract), so the proto's const bytes may back it.
@@ -63,6 +58,23 @@ absl::StatusOr<Tensor> DecodeTensor(const v1::Tensor& proto, bool present,
 }
 
 }  // namespace
+
+absl::Status TensorMetaFromProto(const v1::Tensor& proto,
+                                 absl::string_view field, DType* dtype,
+                                 Shape* shape) {
+  *dtype = DTypeFromProto(proto.dtype());
+  if (*dtype == DType::kInvalid) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": dtype is missing or unknown (",
+                     static_cast<int>(proto.dtype()), ")"));
+  }
+  if (proto.shape_size() > 8) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": rank ", proto.shape_size(), " is above 8"));
+  }
+  shape->assign(proto.shape().begin(), proto.shape().end());
+  return absl::OkStatus();
+}
 
 absl::StatusOr<Tensor> TensorFromProto(const v1::Tensor& proto, bool present,
                                        absl::string_view field) {

@@ -23,6 +23,11 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 
 // An undefined Tensor when `present` is false; otherwise the decoded tensor
 // on the CPU device, or INVALID_ARGUMENT naming `field`.
+// A tensor's dtype (known) and shape (rank at most 8) from the wire, for
+// decoders of its bytes wherever they are: INVALID_ARGUMENT naming `field`.
+absl::Status TensorMetaFromProto(const v1::Tensor& proto,
+                                 absl::string_view field, DType* dtype,
+                                 Shape* shape);
 absl::StatusOr<Tensor> TensorFromProto(const v1::Tensor& proto, bool present,
                                        absl::string_view field);
 // As TensorFromProto, but over the proto's bytes where they are aligned to

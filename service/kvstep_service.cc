@@ -576,18 +576,14 @@ absl::StatusOr<Tensor> KvStepService::TensorFromSharedMemory(
                      proto.data().size(), " bytes of data)"));
   }
   // The shape and dtype are decoded as for bytes; only their place differs.
-  const DType dtype = DTypeFromProto(proto.dtype());
-  if (dtype == DType::kInvalid) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": dtype is missing or unknown (",
-                     static_cast<int>(proto.dtype()), ")"));
-  }
-  if (proto.shape_size() > 8) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": rank ", proto.shape_size(), " is above 8"));
+  DType dtype;
+  Shape shape;
+  if (absl::Status s = TensorMetaFromProto(proto, field, &dtype, &shape);
+      !s.ok()) {
+    return s;
   }
   int64_t numel = 1;
-  for (int64_t d : proto.shape()) {
+  for (int64_t d : shape) {
     // Bounded so that the byte count below cannot overflow.
     if (d < 0 || (d > 0 && numel > (int64_t{1} << 40) / d)) {
       return absl::InvalidArgumentError(
@@ -605,7 +601,6 @@ absl::StatusOr<Tensor> KvStepService::TensorFromSharedMemory(
   // that can only give it other numbers back, since the activations are
   // read as values, never as sizes or indices (the index tensors are never
   // taken from shared memory), and the mapping cannot shrink (the seal).
-  Shape shape(proto.shape().begin(), proto.shape().end());
   absl::StatusOr<Tensor> t =
       reinterpret_cast<uintptr_t>(*place) % DTypeSize(dtype) == 0
           ? Tensor::WrapHostBytes(dtype, std::move(shape), *place,

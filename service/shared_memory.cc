@@ -30,6 +30,18 @@ absl::Status SharedMemoryRegion::CheckRange(int64_t offset, int64_t num_bytes,
   return absl::OkStatus();
 }
 
+absl::Status SharedMemoryRegistry::CheckRoomLocked(int64_t size) const {
+  if (static_cast<int64_t>(regions_.size()) >= limits_.max_regions ||
+      mapped_bytes_ + size > limits_.max_bytes) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "%d regions of %d bytes are registered; the limits are %d regions "
+        "and %d bytes",
+        regions_.size(), mapped_bytes_, limits_.max_regions,
+        limits_.max_bytes));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<uint64_t> SharedMemoryRegistry::Register(const std::string& path,
                                                         int64_t size,
                                                         SessionId owner) {
@@ -89,14 +101,7 @@ absl::StatusOr<uint64_t> SharedMemoryRegistry::Register(const std::string& path,
   {
     // Limits first, so that a refused call maps nothing.
     MutexLock lock(&mu_);
-    if (static_cast<int64_t>(regions_.size()) >= limits_.max_regions ||
-        mapped_bytes_ + size > limits_.max_bytes) {
-      return absl::ResourceExhaustedError(absl::StrFormat(
-          "%d regions of %d bytes are registered; the limits are %d regions "
-          "and %d bytes",
-          regions_.size(), mapped_bytes_, limits_.max_regions,
-          limits_.max_bytes));
-    }
+    if (absl::Status s = CheckRoomLocked(size); !s.ok()) return s;
   }
   void* base = mmap(nullptr, static_cast<size_t>(size), PROT_READ | PROT_WRITE,
                     MAP_SHARED, fd, 0);
@@ -107,14 +112,7 @@ absl::StatusOr<uint64_t> SharedMemoryRegistry::Register(const std::string& path,
   auto region = std::make_shared<const SharedMemoryRegion>(base, size, owner);
   MutexLock lock(&mu_);
   // Checked again: another Register may have taken the room meanwhile.
-  if (static_cast<int64_t>(regions_.size()) >= limits_.max_regions ||
-      mapped_bytes_ + size > limits_.max_bytes) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "%d regions of %d bytes are registered; the limits are %d regions "
-        "and %d bytes",
-        regions_.size(), mapped_bytes_, limits_.max_regions,
-        limits_.max_bytes));
-  }
+  if (absl::Status s = CheckRoomLocked(size); !s.ok()) return s;
   const uint64_t id = next_id_++;
   regions_.emplace(id, std::move(region));
   mapped_bytes_ += size;

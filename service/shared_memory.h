@@ -83,6 +83,11 @@ class SharedMemoryRegistry {
   int64_t mapped_bytes() const;
 
  private:
+  // RESOURCE_EXHAUSTED unless one more region of `size` bytes fits the
+  // limits.
+  absl::Status CheckRoomLocked(int64_t size) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   const SharedMemoryLimits limits_;
   mutable Mutex mu_;
   absl::flat_hash_map<uint64_t, std::shared_ptr<const SharedMemoryRegion>>
