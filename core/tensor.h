@@ -48,7 +48,8 @@ class Tensor {
   // A CPU tensor over `bytes` themselves, not a copy: the service's
   // zero-copy path for request tensors (TensorViewOfProto; each copy of a
   // prefill's activations costs a pass over tens of MB, in fresh pages at
-  // a tenth of warm memory's speed). The caller keeps the bytes alive, and
+  // a tenth of warm memory's speed), and for PagedAttention's inputs and
+  // output in a client's shared memory. The caller keeps the bytes alive, and
   // decides who writes them, for as long as the tensor or any copy of it
   // lives. INVALID_ARGUMENT as FromHostBytes for a size that does not match
   // the shape, and for bytes not aligned to the element size.

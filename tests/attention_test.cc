@@ -2295,6 +2295,49 @@ TEST(ReshapeAndCache, NonFiniteFlagPerLayer) {
   }
 }
 
+// PagedAttention writes into a given output tensor of the query's dtype
+// and shape (the service's shared memory) whatever it held before, with
+// the bytes a new output gets; one of another shape is replaced, and a
+// refused call leaves it untouched.
+TEST(PagedAttention, WritesIntoAGivenOutput) {
+  constexpr int64_t kKv = 2, kH = 4, kD = 32, kBs = 16, kN = 40;
+  auto cache = SmallCache(DType::kFloat32, 4, kBs, kKv, kD);
+  std::mt19937_64 rng(4);
+  std::uniform_real_distribution<float> uni(-1, 1);
+  std::vector<float> k(kN * kKv * kD), v(k.size()), q(kH * kD);
+  for (float& x : k) x = uni(rng);
+  for (float& x : v) x = uni(rng);
+  for (float& x : q) x = uni(rng);
+  std::vector<int64_t> slots(kN);
+  std::iota(slots.begin(), slots.end(), 0);
+  ASSERT_TRUE(ReshapeAndCache(
+                  *cache, 0, Activations(DType::kFloat32, {kN, kKv, kD}, k),
+                  Activations(DType::kFloat32, {kN, kKv, kD}, v), slots, 1, 1)
+                  .ok());
+  const Tensor query = Activations(DType::kFloat32, {1, kH, kD}, q);
+  const AttentionRows rows = OneDecodeRow(kN, {0, 1, 2});
+  Tensor fresh;
+  ASSERT_TRUE(PagedAttention(*cache, 0, query, rows, {}, nullptr, &fresh).ok());
+  std::vector<float> place(kH * kD, std::nanf(""));
+  Tensor given = *Tensor::WrapHostBytes(DType::kFloat32, {1, kH, kD},
+                                        place.data(), place.size() * 4);
+  ASSERT_TRUE(PagedAttention(*cache, 0, query, rows, {}, nullptr, &given).ok());
+  EXPECT_EQ(given.raw_data(), place.data());
+  EXPECT_EQ(std::memcmp(place.data(), fresh.raw_data(), fresh.nbytes()), 0);
+  // Another shape: a new tensor, the place untouched.
+  std::vector<float> small(kD, 7.0f);
+  Tensor other = *Tensor::WrapHostBytes(DType::kFloat32, {1, 1, kD},
+                                        small.data(), small.size() * 4);
+  ASSERT_TRUE(PagedAttention(*cache, 0, query, rows, {}, nullptr, &other).ok());
+  EXPECT_NE(other.raw_data(), small.data());
+  EXPECT_EQ(small, std::vector<float>(kD, 7.0f));
+  // A refused call (layer out of range) writes nothing.
+  std::fill(place.begin(), place.end(), 3.0f);
+  EXPECT_FALSE(
+      PagedAttention(*cache, 5, query, rows, {}, nullptr, &given).ok());
+  EXPECT_EQ(place, std::vector<float>(kH * kD, 3.0f));
+}
+
 // ReshapeAndCache stores row by row (a same-type row as its bits); the
 // bytes it leaves must be the per-element loop's it replaced, for every
 // cache dtype, layout, block size and activation dtype (key and value of
@@ -2305,14 +2348,15 @@ TEST(ReshapeAndCache, RowStoresMatchTheElementLoop) {
   std::mt19937_64 rng(11);
   std::uniform_real_distribution<float> uni(-2, 2);
   const float odd[] = {std::nanf(""), std::numeric_limits<float>::infinity(),
-                       -1e6f, 3e-6f, 500.0f, -0.0f};
+                       -1e6f,         3e-6f,
+                       500.0f,        -0.0f};
   for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16,
                       DType::kFp8E4M3, DType::kFp8E5M2}) {
     for (CacheLayout layout : {CacheLayout::kVllm, CacheLayout::kNhd}) {
       for (int64_t bs : {8, 16}) {
         for (DType kd : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
-          for (DType vd : {DType::kFloat32, DType::kFloat16,
-                           DType::kBFloat16}) {
+          for (DType vd :
+               {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
             SCOPED_TRACE(::testing::Message()
                          << DTypeName(dtype) << " " << CacheLayoutName(layout)
                          << " bs " << bs << " key " << DTypeName(kd)
@@ -2323,7 +2367,8 @@ TEST(ReshapeAndCache, RowStoresMatchTheElementLoop) {
             // The same garbage under both: what a skipped slot keeps.
             for (KvCache* c : {fast.get(), ref.get()}) {
               for (const Tensor* side : {&c->key(0), &c->value(0)}) {
-                auto* p = static_cast<uint8_t*>(const_cast<void*>(side->raw_data()));
+                auto* p =
+                    static_cast<uint8_t*>(const_cast<void*>(side->raw_data()));
                 for (size_t i = 0; i < side->nbytes(); ++i) {
                   p[i] = static_cast<uint8_t>(i * 7 + 3);
                 }
@@ -2334,8 +2379,8 @@ TEST(ReshapeAndCache, RowStoresMatchTheElementLoop) {
               k[i] = i % 13 == 0 ? odd[i / 13 % 6] : uni(rng);
               v[i] = i % 11 == 0 ? odd[i / 11 % 6] : uni(rng);
             }
-            const std::vector<int64_t> slots = {0, bs * 3 + 5, -1, bs - 1,
-                                                bs * 5 + 2, 1, bs * 2};
+            const std::vector<int64_t> slots = {
+                0, bs * 3 + 5, -1, bs - 1, bs * 5 + 2, 1, bs * 2};
             const Tensor kt = Activations(kd, {kT, kKv, kD}, k);
             const Tensor vt = Activations(vd, {kT, kKv, kD}, v);
             ASSERT_TRUE(
