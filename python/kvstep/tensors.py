@@ -55,6 +55,12 @@ def to_wire(array, dtype=None):
     if dtype not in _NUMPY:
         raise ValueError(f"to_tensor: unknown dtype {dtype_name(dtype)}")
     want = _NUMPY[dtype]
+    if (want.kind == "u" and a.dtype.kind == "i" and
+            a.dtype.itemsize == want.itemsize):
+        # Bits in a signed type of their width: torch has no uint16, so its
+        # bfloat16 bits come as int16 (t.view(torch.int16).numpy()).
+        a = a.view(np.dtype(f"u{a.dtype.itemsize}").newbyteorder(
+            a.dtype.byteorder))
     if want.kind in "iu":
         if a.dtype.kind not in "iub":
             what = ("the raw bits as integers (see bf16_bits_from_float32)"
@@ -81,8 +87,9 @@ def to_tensor(array, dtype=None, out=None):
 
     With no `dtype`, int32, int64, float32 and float16 arrays keep their
     type; other arrays must name one. Integer dtypes take integers, and
-    bfloat16 and fp8 their raw bits (uint16 and uint8 arrays, or any
-    integers that fit): a float array for them, or a value that does not fit,
+    bfloat16 and fp8 their raw bits (uint16 and uint8 arrays, int16 and int8
+    ones as bits, or any integers that fit): a float array for them, or a
+    value that does not fit,
     is a ValueError rather than a silent truncation. Float dtypes take any
     numbers, converted as numpy's astype does (float64 to float32 rounds).
 

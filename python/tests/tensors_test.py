@@ -68,6 +68,22 @@ class ToTensorTest(unittest.TestCase):
         np.testing.assert_array_equal(kvstep.from_tensor(req.query),
                                       np.ones((2, 3)))
 
+    def test_signed_bits_are_taken_as_bits(self):
+        # torch's route for bfloat16: t.view(torch.int16).numpy().
+        bits = np.array([0x3F80, 0xBF80, 0xFFC0], dtype=np.uint16)
+        t = kvstep.to_tensor(bits.view(np.int16), pb.DTYPE_BFLOAT16)
+        self.assertEqual(t.data, bits.tobytes())
+        np.testing.assert_array_equal(
+            kvstep.float32_from_bf16_bits(kvstep.from_tensor(t))[:2],
+            [1.0, -1.0])
+        t = kvstep.to_tensor(np.array([-1, 56], dtype=np.int8),
+                             pb.DTYPE_FP8_E4M3)
+        self.assertEqual(t.data, bytes([0xFF, 56]))
+        # A wider signed array is values, checked against the range.
+        with self.assertRaisesRegex(ValueError, "range"):
+            kvstep.to_tensor(np.array([-1], dtype=np.int32),
+                             pb.DTYPE_BFLOAT16)
+
     def test_bits_dtypes_round_trip(self):
         bits = np.array([[0x3F80, 0xC000, 0x7FC0]], dtype=np.uint16)
         t = kvstep.to_tensor(bits, pb.DTYPE_BFLOAT16)
