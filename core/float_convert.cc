@@ -42,12 +42,12 @@ uint8_t Encode(const Fp8Table& t, float f) {
 
 }  // namespace
 
-uint8_t FloatToFp8E4M3(float f) {
+uint8_t FloatToFp8E4M3BySearch(float f) {
   static const Fp8Table t = MakeTable<Fp8E4M3ToFloat>();
   return Encode(t, f);
 }
 
-uint8_t FloatToFp8E5M2(float f) {
+uint8_t FloatToFp8E5M2BySearch(float f) {
   static const Fp8Table t = MakeTable<Fp8E5M2ToFloat>();
   return Encode(t, f);  // NaN: 0x7f is a NaN in e5m2 too
 }

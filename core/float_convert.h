@@ -78,8 +78,41 @@ inline float Fp8E5M2ToFloat(uint8_t v) {
 
 // Nearest representable value (ties to even), saturating at the format's
 // largest finite value; NaN stays NaN. Exhaustive over the 256 codes.
-uint8_t FloatToFp8E4M3(float f);
-uint8_t FloatToFp8E5M2(float f);
+// float to fp8, rounded to the nearest value (ties to the even code),
+// saturated at the largest finite one (Inf too), NaN to 0x7f, by the
+// float's bits: kMan mantissa bits, exponent bias kBias, largest finite
+// code kMaxCode. The same codes as a search of the format's sorted values
+// (FloatToFp8E4M3BySearch, the tests' reference), at a fraction of the
+// time (ReshapeAndCache into fp8 caches).
+template <int kMan, int kBias, uint8_t kMaxCode>
+inline uint8_t FloatToFp8Bits(float f) {
+  const uint32_t u = FloatBits(f);
+  const uint32_t a = u & 0x7fffffff;
+  if (a > 0x7f800000) return 0x7f;  // NaN, unsigned as the search gives it
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80);
+  // The format's smallest normal, 2^(1 - kBias): below it the codes are
+  // multiples of 2^(1 - kBias - kMan), which nearbyint rounds to even.
+  constexpr uint32_t kMinNormal = static_cast<uint32_t>(128 - kBias) << 23;
+  if (a < kMinNormal) {
+    constexpr float kScale = static_cast<float>(1u << (kBias - 1 + kMan));
+    return sign | static_cast<uint8_t>(std::nearbyint(BitsFloat(a) * kScale));
+  }
+  // Round the mantissa to kMan bits, to even, carrying into the exponent.
+  constexpr int kDrop = 23 - kMan;
+  const uint32_t r = a + ((1u << (kDrop - 1)) - 1) + ((a >> kDrop) & 1);
+  const uint32_t code =
+      (r >> kDrop) - (static_cast<uint32_t>(127 - kBias) << kMan);
+  return sign | static_cast<uint8_t>(code > kMaxCode ? kMaxCode : code);
+}
+// e4m3fn: largest finite 448 (0x7e); e5m2: 57344 (0x7b).
+inline uint8_t FloatToFp8E4M3(float f) { return FloatToFp8Bits<3, 7, 0x7e>(f); }
+inline uint8_t FloatToFp8E5M2(float f) {
+  return FloatToFp8Bits<2, 15, 0x7b>(f);
+}
+// The same conversions by a binary search of the format's values: the
+// reference FloatToFp8E4M3 and FloatToFp8E5M2 are tested against.
+uint8_t FloatToFp8E4M3BySearch(float f);
+uint8_t FloatToFp8E5M2BySearch(float f);
 
 }  // namespace kvstep
 
