@@ -24,6 +24,7 @@
 #include "gtest/gtest.h"
 #include "service/convert.h"
 #include "service/server.h"
+#include "tests/wire_test_util.h"
 
 namespace kvstep {
 namespace {
@@ -309,22 +310,6 @@ TEST_P(ServiceTest, WireValidationNamesTheField) {
   absl::StatusOr<v1::CreateBatchResponse> c = client_->CreateBatch(cb);
   EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(c.status().message()), HasSubstr("seq_lens_dtype"));
-}
-
-v1::Tensor FloatTensor(const std::vector<float>& v,
-                       std::vector<int64_t> shape) {
-  v1::Tensor t;
-  t.set_dtype(v1::DTYPE_FLOAT32);
-  t.mutable_shape()->Assign(shape.begin(), shape.end());
-  t.set_data(
-      std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4));
-  return t;
-}
-
-std::vector<float> FloatValues(const v1::Tensor& t) {
-  std::vector<float> v(t.data().size() / 4);
-  std::memcpy(v.data(), t.data().data(), t.data().size());
-  return v;
 }
 
 // N steps of incremental decoding through the service (a prefill, then

@@ -19,6 +19,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "service/server.h"
+#include "tests/wire_test_util.h"
 
 namespace kvstep {
 namespace {
@@ -26,15 +27,6 @@ namespace {
 using ::testing::HasSubstr;
 
 constexpr int64_t kBs = 16, kH = 4, kKv = 2, kD = 16, kTokens = 20;
-
-v1::Tensor Floats(const std::vector<float>& v, std::vector<int64_t> shape) {
-  v1::Tensor t;
-  t.set_dtype(v1::DTYPE_FLOAT32);
-  t.mutable_shape()->Assign(shape.begin(), shape.end());
-  t.set_data(std::string(reinterpret_cast<const char*>(v.data()),
-                         v.size() * sizeof(float)));
-  return t;
-}
 
 // `t`'s shape and dtype, its bytes at `offset` of `shm` instead of data.
 v1::Tensor InShm(const v1::Tensor& t, SharedMemory& shm, uint64_t region,
@@ -98,9 +90,9 @@ class SharedMemoryTest : public ::testing::Test {
   v1::PagedAttentionRequest Explicit(int64_t layer, bool write) {
     v1::PagedAttentionRequest req;
     req.set_layer(layer);
-    *req.mutable_query() = Floats(q_, {kTokens, kH, kD});
-    *req.mutable_key() = Floats(k_, {kTokens, kKv, kD});
-    *req.mutable_value() = Floats(v_, {kTokens, kKv, kD});
+    *req.mutable_query() = FloatTensor(q_, {kTokens, kH, kD});
+    *req.mutable_key() = FloatTensor(k_, {kTokens, kKv, kD});
+    *req.mutable_value() = FloatTensor(v_, {kTokens, kKv, kD});
     std::vector<int32_t> table = {static_cast<int32_t>(table_[0]),
                                   static_cast<int32_t>(table_[1])};
     std::vector<int64_t> slots;
@@ -203,8 +195,8 @@ TEST_F(SharedMemoryTest, RefusalsNameTheFieldAndWriteNothing) {
   const std::vector<float> other(k_.size(), 2.0f);
   auto request = [&] {
     v1::PagedAttentionRequest req = Explicit(0, true);
-    *req.mutable_key() = Floats(other, {kTokens, kKv, kD});
-    *req.mutable_value() = Floats(other, {kTokens, kKv, kD});
+    *req.mutable_key() = FloatTensor(other, {kTokens, kKv, kD});
+    *req.mutable_value() = FloatTensor(other, {kTokens, kKv, kD});
     return req;
   };
   struct Case {
@@ -268,7 +260,7 @@ TEST_F(SharedMemoryTest, RefusalsNameTheFieldAndWriteNothing) {
   }
   {
     v1::PagedAttentionRequest r = request();
-    *r.mutable_alibi_slopes() = Floats(std::vector<float>(kH, 0.5f), {kH});
+    *r.mutable_alibi_slopes() = FloatTensor(std::vector<float>(kH, 0.5f), {kH});
     r.mutable_alibi_slopes()->clear_data();
     r.mutable_alibi_slopes()->mutable_shm()->set_region_id(id);
     cases.push_back({"alibi in shm", r, absl::StatusCode::kInvalidArgument,

@@ -130,13 +130,18 @@ class Client:
                         self._restarted = True
                     self._instance_id = value
 
-    def _call(self, name, request, timeout=None, session=True):
+    def _metadata(self, session=True):
+        """The bearer token, and the session id unless `session` is false."""
         metadata = []
         if self._token:
             metadata.append(("authorization", "Bearer " + self._token))
         sid = self.session_id
         if session and sid:
             metadata.append(("kvstep-session-id", str(sid)))
+        return metadata
+
+    def _call(self, name, request, timeout=None, session=True):
+        metadata = self._metadata(session)
         method = getattr(self.stub, name)
         try:
             reply, call = method.with_call(
@@ -346,10 +351,7 @@ class Client:
                             timeout=None):
         """An iterator over KvEventBatch replies (cancel() on it stops the
         stream). No deadline unless `timeout` is given."""
-        metadata = []
-        if self._token:
-            metadata.append(("authorization", "Bearer " + self._token))
         return self.stub.SubscribeKvEvents(
             pb.SubscribeKvEventsRequest(from_seq_no=from_seq_no,
                                         from_now=from_now),
-            timeout=timeout, metadata=metadata)
+            timeout=timeout, metadata=self._metadata(session=False))
