@@ -1692,17 +1692,26 @@ bool ConvertRow(const void* src, int64_t i0, int64_t n, float scale,
                 typename Elem::T* out) {
   using T = typename Elem::T;
   constexpr bool kSame = std::is_same_v<Elem, CacheElem<kAct>>;
+  // fp32 into fp16: F16C where the CPU has it (only that instantiation
+  // names the half-typed call).
+  constexpr bool kToHalf = std::is_same_v<Elem, CacheElem<DType::kFloat16>> &&
+                           kAct == DType::kFloat32;
   if constexpr (kSame) {
     std::memcpy(out, static_cast<const T*>(src) + i0, n * sizeof(T));
-#ifdef KVSTEP_ATTN_X86
-  } else if (std::is_same_v<Elem, CacheElem<DType::kFloat16>> &&
-             kAct == DType::kFloat32 && HasAvx2()) {
-    FloatsToHalvesF16c(static_cast<const float*>(src) + i0, n,
-                       reinterpret_cast<uint16_t*>(out));
-#endif
   } else {
-    for (int64_t i = 0; i < n; ++i) {
-      out[i] = Elem::Store(LoadActAs<kAct>(src, i0 + i), scale);
+    bool converted = false;
+#ifdef KVSTEP_ATTN_X86
+    if constexpr (kToHalf) {
+      if (HasAvx2()) {
+        FloatsToHalvesF16c(static_cast<const float*>(src) + i0, n, out);
+        converted = true;
+      }
+    }
+#endif
+    if (!converted) {
+      for (int64_t i = 0; i < n; ++i) {
+        out[i] = Elem::Store(LoadActAs<kAct>(src, i0 + i), scale);
+      }
     }
   }
   bool finite = true;
