@@ -177,9 +177,19 @@ class Client:
 
     def close_session(self):
         """Closes this client's session (its batches released, its
-        sequences freed); later calls are in no session."""
-        reply = self._call("CloseSession",
-                           pb.CloseSessionRequest(session_id=self.session_id))
+        sequences freed); later calls are in no session. The session id is
+        also dropped when the server no longer knows the session (NOT_FOUND:
+        it lapsed, was closed elsewhere, or the server restarted), which is
+        raised all the same; otherwise every later call would carry the dead
+        id and fail NOT_FOUND too."""
+        try:
+            reply = self._call(
+                "CloseSession",
+                pb.CloseSessionRequest(session_id=self.session_id))
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                self.session_id = 0
+            raise
         self.session_id = 0
         return reply
 
@@ -350,7 +360,11 @@ class Client:
     def subscribe_kv_events(self, from_seq_no=0, from_now=False,
                             timeout=None):
         """An iterator over KvEventBatch replies (cancel() on it stops the
-        stream). No deadline unless `timeout` is given."""
+        stream). No deadline unless `timeout` is given.
+
+        The call does not carry the client's session id: the stream creates
+        nothing a session would own, and with the id a subscription made
+        after the session lapsed or closed would be refused NOT_FOUND."""
         return self.stub.SubscribeKvEvents(
             pb.SubscribeKvEventsRequest(from_seq_no=from_seq_no,
                                         from_now=from_now),

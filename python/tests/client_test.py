@@ -351,6 +351,69 @@ class ClientTest(unittest.TestCase):
         finally:
             c.close()
 
+    def test_close_session_drops_an_id_the_server_no_longer_knows(self):
+        c = kvstep.Client(self.server.target)
+        try:
+            sid = c.open_session(ttl_seconds=30).session_id
+            # Closed behind the client's back (as a lapse or a restart
+            # would leave it).
+            self.client.stub.CloseSession(
+                pb.CloseSessionRequest(session_id=sid))
+            with self.assertRaises(grpc.RpcError) as e:
+                c.close_session()
+            self.assertEqual(e.exception.code(), grpc.StatusCode.NOT_FOUND)
+            self.assertEqual(c.session_id, 0)
+            # Later calls are in no session, not refused for the dead id.
+            self.assertEqual(c.allocate_blocks([(40, 1)]).free_blocks,
+                             NUM_BLOCKS - 1)
+            c.free_sequences([40])
+        finally:
+            c.close()
+
+    def test_kv_events_report_the_blocks_a_prefill_stores(self):
+        c = self.client
+        prompt = [int(t) for t in self.rng.integers(0, 1000, 2 * BLOCK + 1)]
+        c.allocate_blocks([dict(seq_id=50, num_tokens=len(prompt),
+                                prompt_token_ids=prompt,
+                                adapter_id="events-test")])
+        batch = c.create_batch([dict(seq_id=50, token_ids=prompt,
+                                     prefill=True)])
+        c.release_batches([batch.batch_id])
+        c.free_sequences([50])
+        c.reset_prefix_cache()
+        # From the log's start: this test's events are the last ones there
+        # (the test server's log holds far more than the tests make), and
+        # the stream's deadline keeps a missing one from hanging the test.
+        stream = c.subscribe_kv_events(from_seq_no=0, timeout=30)
+        stored = []
+        try:
+            for reply in stream:
+                self.assertEqual(reply.server_instance_id, c.instance_id)
+                for e in reply.events:
+                    if (e.HasField("block_stored") and
+                            e.block_stored.adapter_id == "events-test"):
+                        stored.append(e)
+                    elif e.HasField("all_blocks_cleared") and stored:
+                        cleared = e
+                        break
+                else:
+                    continue
+                break
+        finally:
+            stream.cancel()
+        # Two full blocks of the 33-token prompt, chained; the third holds
+        # one token and is not stored.
+        self.assertEqual(len(stored), 2)
+        first, second = stored[0].block_stored, stored[1].block_stored
+        self.assertEqual(list(first.token_ids), prompt[:BLOCK])
+        self.assertEqual(list(second.token_ids), prompt[BLOCK:2 * BLOCK])
+        self.assertEqual(first.block_size, BLOCK)
+        self.assertEqual(first.parent_block_hash, b"")
+        self.assertEqual(len(first.block_hashes[0]), 16)
+        self.assertEqual(second.parent_block_hash, first.block_hashes[0])
+        self.assertEqual(stored[1].seq_no, stored[0].seq_no + 1)
+        self.assertGreater(cleared.seq_no, stored[1].seq_no)
+
 
 class TokenAndRestartTest(unittest.TestCase):
 
