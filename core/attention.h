@@ -409,6 +409,12 @@ int64_t AmxQueryPartsForTest(DType dtype, const void* src, int64_t n,
 // lacks it (Fp8DotSupported) or dtype is not fp8.
 bool Fp8ToBf16ForTest(DType dtype, const uint8_t* src, int64_t n,
                       uint16_t* out);
+// ReshapeAndCache's AVX-512 conversion of n activations of dtype `act`
+// (float32, float16, bfloat16) at src, divided by `scale`, into the fp8
+// `cache` dtype: false (nothing written) where the CPU has no AVX-512 or
+// the dtypes are not such a pair.
+bool ActivationsToFp8ForTest(DType cache, DType act, const void* src, int64_t n,
+                             float scale, uint8_t* out);
 // The softmax's exp (FastExp in attention.cc: x <= 0, 0 at or below -87
 // and for NaN) over n floats (n a multiple of 16) by the vector loop of
 // `isa`'s build (callers check IsaSupported), and the scalar one, for a

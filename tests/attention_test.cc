@@ -79,6 +79,80 @@ TEST(FloatConvert, Fp8ByBitsMatchesTheSearch) {
   }
 }
 
+// ReshapeAndCache's AVX-512 conversion into fp8 gives the scalar's codes
+// (FloatToFp8E4M3 / E5M2 of the activation divided by the scale): fp32
+// activations over a sample of every float and every rounding pattern, as
+// above, at scale 1 and a scale that makes the division round; every fp16
+// and bf16 value; runs whose length is not a multiple of 16.
+TEST(FloatConvert, Fp8ByAvx512MatchesTheScalar) {
+  const uint8_t probe_in[4] = {};
+  uint8_t probe_out[2];
+  if (!internal::ActivationsToFp8ForTest(DType::kFp8E4M3, DType::kBFloat16,
+                                         probe_in, 2, 1.0f, probe_out)) {
+    GTEST_SKIP() << "no AVX-512 here: ReshapeAndCache converts into fp8 by "
+                    "the scalar code, which the test above covers";
+  }
+  auto check = [](DType act, const void* src, const float* values, int64_t n,
+                  float scale) {
+    std::vector<uint8_t> got(n + 1, 0xa5), want(n);
+    for (DType cache : {DType::kFp8E4M3, DType::kFp8E5M2}) {
+      ASSERT_TRUE(internal::ActivationsToFp8ForTest(cache, act, src, n, scale,
+                                                    got.data()));
+      for (int64_t i = 0; i < n; ++i) {
+        want[i] = cache == DType::kFp8E4M3 ? FloatToFp8E4M3(values[i] / scale)
+                                           : FloatToFp8E5M2(values[i] / scale);
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        ASSERT_EQ(got[i], want[i])
+            << DTypeName(cache) << " of " << DTypeName(act) << " bits 0x"
+            << std::hex << FloatBits(values[i]) << std::dec << " / " << scale;
+      }
+      ASSERT_EQ(got[n], 0xa5) << "wrote past the end";
+    }
+  };
+  // fp32: chunks of 4099 floats, each ending off a multiple of 16.
+  std::vector<float> f;
+  auto flush = [&](float scale) {
+    check(DType::kFloat32, f.data(), f.data(), static_cast<int64_t>(f.size()),
+          scale);
+    f.clear();
+  };
+  for (uint64_t u = 0; u < (uint64_t{1} << 32); u += 61) {
+    f.push_back(BitsFloat(static_cast<uint32_t>(u)));
+    if (f.size() == 4099) flush(1.0f);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+  flush(1.0f);
+  const uint32_t lows[] = {0, 1, 0x7ff, 0x800, 0x801, 0xfff};
+  for (float scale : {1.0f, 0.37f}) {
+    for (uint32_t sign : {0u, 0x80000000u}) {
+      for (uint32_t exp = 127 - 30; exp <= 127 + 17; ++exp) {
+        for (uint32_t top = 0; top < (1u << 11); ++top) {
+          for (uint32_t low : lows) {
+            f.push_back(BitsFloat(sign | exp << 23 | top << 12 | low));
+          }
+        }
+        flush(scale);
+        if (::testing::Test::HasFatalFailure()) return;
+      }
+    }
+  }
+  // Every fp16 and bf16 value, at three scales.
+  std::vector<uint16_t> bits(1 << 16);
+  std::vector<float> halves(1 << 16), bf16s(1 << 16);
+  for (uint32_t h = 0; h < (1u << 16); ++h) {
+    bits[h] = static_cast<uint16_t>(h);
+    halves[h] = HalfToFloat(bits[h]);
+    bf16s[h] = BF16ToFloat(bits[h]);
+  }
+  for (float scale : {1.0f, 0.37f, 3.0f}) {
+    check(DType::kFloat16, bits.data(), halves.data(), 1 << 16, scale);
+    check(DType::kBFloat16, bits.data(), bf16s.data(), 1 << 16, scale);
+    check(DType::kFloat16, bits.data() + 5, halves.data() + 5, 27, scale);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
 TEST(FloatConvert, RoundTripsEveryCode) {
   for (int c = 0; c < 256; ++c) {
     const float e4 = Fp8E4M3ToFloat(static_cast<uint8_t>(c));
