@@ -109,6 +109,8 @@ struct CacheElem<DType::kBFloat16> {
 template <>
 struct CacheElem<DType::kFp8E4M3> {
   using T = uint8_t;
+  using Format =
+      Fp8E4M3Format;  // ReshapeAndCache's vector stores (ActsToFp8Avx512)
   static float Load(T v, float s) { return Fp8E4M3ToFloat(v) * s; }
   static T Store(float v, float s) { return FloatToFp8E4M3(v / s); }
   static bool Finite(T v) { return (v & 0x7f) != 0x7f; }
@@ -116,6 +118,8 @@ struct CacheElem<DType::kFp8E4M3> {
 template <>
 struct CacheElem<DType::kFp8E5M2> {
   using T = uint8_t;
+  using Format =
+      Fp8E5M2Format;  // ReshapeAndCache's vector stores (ActsToFp8Avx512)
   static float Load(T v, float s) { return Fp8E5M2ToFloat(v) * s; }
   static T Store(float v, float s) { return FloatToFp8E5M2(v / s); }
   static bool Finite(T v) { return (v & 0x7c) != 0x7c; }
@@ -1681,8 +1685,8 @@ __attribute__((target("avx,f16c"))) void FloatsToHalvesF16c(const float* src,
   }
 }
 
-// FloatToFp8Bits<kMan, kBias, kMaxCode>(x / scale) of n activations x of
-// type kAct from src[i0] by AVX-512 (callers check HasAvx512), with the
+// FloatToFp8Bits<Format>(x / scale) of n activations x of type kAct from
+// src[i0] by AVX-512 (callers check HasAvx512), with the
 // same bits: the scalar's steps on 16 lanes, the division and the
 // subnormals' scaling and round to nearest even included (both IEEE, in the
 // default rounding mode). fp16 activations widen by F16C, which quiets a
@@ -1690,10 +1694,11 @@ __attribute__((target("avx,f16c"))) void FloatsToHalvesF16c(const float* src,
 // 64-token decode step into an fp8 cache took 6x the time of one into
 // fp16 with the scalar conversion, 1.7x with this
 // (bench/reshape_and_cache_bench).
-template <int kMan, int kBias, uint8_t kMaxCode, DType kAct>
+template <typename Format, DType kAct>
 __attribute__((target("avx2,f16c,avx512f,avx512bw,avx512vl"))) void
 ActsToFp8Avx512(const void* src, int64_t i0, int64_t n, float scale,
                 uint8_t* out) {
+  constexpr int kMan = Format::kMan, kBias = Format::kBias;
   constexpr int kDrop = 23 - kMan;
   constexpr uint32_t kMinNormal = static_cast<uint32_t>(128 - kBias) << 23;
   const __m512 vscale = _mm512_set1_ps(scale);
@@ -1730,7 +1735,7 @@ ActsToFp8Avx512(const void* src, int64_t i0, int64_t n, float scale,
         _mm512_and_si512(_mm512_srli_epi32(a, kDrop), _mm512_set1_epi32(1)));
     __m512i code = _mm512_sub_epi32(_mm512_srli_epi32(r, kDrop),
                                     _mm512_set1_epi32((127 - kBias) << kMan));
-    code = _mm512_min_epu32(code, _mm512_set1_epi32(kMaxCode));
+    code = _mm512_min_epu32(code, _mm512_set1_epi32(Format::kMaxCode));
     code = _mm512_mask_mov_epi32(code, sub, small);
     code = _mm512_or_si512(code, _mm512_and_si512(_mm512_srli_epi32(u, 24),
                                                   _mm512_set1_epi32(0x80)));
@@ -1754,8 +1759,7 @@ bool ConvertRow(const void* src, int64_t i0, int64_t n, float scale,
   // names the half-typed call).
   constexpr bool kToHalf = std::is_same_v<Elem, CacheElem<DType::kFloat16>> &&
                            kAct == DType::kFloat32;
-  constexpr bool kToE4M3 = std::is_same_v<Elem, CacheElem<DType::kFp8E4M3>>;
-  constexpr bool kToE5M2 = std::is_same_v<Elem, CacheElem<DType::kFp8E5M2>>;
+  constexpr bool kToFp8 = sizeof(T) == 1;
   if constexpr (kSame) {
     std::memcpy(out, static_cast<const T*>(src) + i0, n * sizeof(T));
   } else {
@@ -1767,13 +1771,9 @@ bool ConvertRow(const void* src, int64_t i0, int64_t n, float scale,
         converted = true;
       }
     }
-    if constexpr (kToE4M3 || kToE5M2) {
+    if constexpr (kToFp8) {
       if (HasAvx512()) {
-        if constexpr (kToE4M3) {
-          ActsToFp8Avx512<3, 7, 0x7e, kAct>(src, i0, n, scale, out);
-        } else {
-          ActsToFp8Avx512<2, 15, 0x7b, kAct>(src, i0, n, scale, out);
-        }
+        ActsToFp8Avx512<typename Elem::Format, kAct>(src, i0, n, scale, out);
         converted = true;
       }
     }
@@ -1787,6 +1787,20 @@ bool ConvertRow(const void* src, int64_t i0, int64_t n, float scale,
   bool finite = true;
   for (int64_t i = 0; i < n; ++i) finite &= Elem::Finite(out[i]);
   return finite;
+}
+
+// f(std::integral_constant<DType, d>()) for activation dtype d: float16,
+// bfloat16, or else float32 (callers have checked IsActivationType).
+template <typename F>
+decltype(auto) DispatchActivation(DType d, F&& f) {
+  switch (d) {
+    case DType::kFloat16:
+      return f(std::integral_constant<DType, DType::kFloat16>());
+    case DType::kBFloat16:
+      return f(std::integral_constant<DType, DType::kBFloat16>());
+    default:
+      return f(std::integral_constant<DType, DType::kFloat32>());
+  }
 }
 
 // The store loop of ReshapeAndCache for keys (`keys`) or values, after its
@@ -1853,18 +1867,11 @@ bool StoreKeysAndValues(const CacheConfig& c, void* key_cache,
     using Elem = decltype(elem);
     using T = typename Elem::T;
     auto side = [&](void* cache, const Tensor& src, float scale, bool keys) {
-      T* dst = static_cast<T*>(cache);
-      switch (src.dtype()) {
-        case DType::kFloat16:
-          return StoreSide<Elem, DType::kFloat16>(g, dst, src.raw_data(), slots,
-                                                  scale, keys, reference);
-        case DType::kBFloat16:
-          return StoreSide<Elem, DType::kBFloat16>(
-              g, dst, src.raw_data(), slots, scale, keys, reference);
-        default:
-          return StoreSide<Elem, DType::kFloat32>(g, dst, src.raw_data(), slots,
-                                                  scale, keys, reference);
-      }
+      return DispatchActivation(src.dtype(), [&](auto act) {
+        return StoreSide<Elem, decltype(act)::value>(g, static_cast<T*>(cache),
+                                                     src.raw_data(), slots,
+                                                     scale, keys, reference);
+      });
     };
     const bool k = side(key_cache, key, k_scale, /*keys=*/true);
     const bool v = side(value_cache, value, v_scale, /*keys=*/false);
@@ -2119,31 +2126,21 @@ bool Fp8ToBf16ForTest(DType dtype, const uint8_t* src, int64_t n,
 
 bool ActivationsToFp8ForTest(DType cache, DType act, const void* src, int64_t n,
                              float scale, uint8_t* out) {
-#ifdef KVSTEP_ATTN_X86
-  if (!HasAvx512()) return false;
-  if (cache != DType::kFp8E4M3 && cache != DType::kFp8E5M2) return false;
-  auto convert = [&](auto act_tag) {
-    constexpr DType kAct = decltype(act_tag)::value;
-    if (cache == DType::kFp8E4M3) {
-      ActsToFp8Avx512<3, 7, 0x7e, kAct>(src, 0, n, scale, out);
-    } else {
-      ActsToFp8Avx512<2, 15, 0x7b, kAct>(src, 0, n, scale, out);
-    }
-    return true;
-  };
-  switch (act) {
-    case DType::kFloat32:
-      return convert(std::integral_constant<DType, DType::kFloat32>());
-    case DType::kFloat16:
-      return convert(std::integral_constant<DType, DType::kFloat16>());
-    case DType::kBFloat16:
-      return convert(std::integral_constant<DType, DType::kBFloat16>());
-    default:
-      return false;
+  // ConvertRow, as ReshapeAndCache calls it, where it takes the AVX-512
+  // path.
+  if (!HasAvx512() || !IsActivationType(act) ||
+      (cache != DType::kFp8E4M3 && cache != DType::kFp8E5M2)) {
+    return false;
   }
-#else
-  return false;
-#endif
+  DispatchCache(cache, [&](auto elem) {
+    using Elem = decltype(elem);
+    if constexpr (sizeof(typename Elem::T) == 1) {
+      DispatchActivation(act, [&](auto a) {
+        ConvertRow<Elem, decltype(a)::value>(src, 0, n, scale, out);
+      });
+    }
+  });
+  return true;
 }
 
 int64_t AmxQueryPartsForTest(DType dtype, const void* src, int64_t n,

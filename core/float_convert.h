@@ -76,16 +76,25 @@ inline float Fp8E5M2ToFloat(uint8_t v) {
   return HalfToFloat(static_cast<uint16_t>(uint16_t{v} << 8));
 }
 
-// Nearest representable value (ties to even), saturating at the format's
-// largest finite value; NaN stays NaN. Exhaustive over the 256 codes.
-// float to fp8, rounded to the nearest value (ties to the even code),
-// saturated at the largest finite one (Inf too), NaN to 0x7f, by the
-// float's bits: kMan mantissa bits, exponent bias kBias, largest finite
-// code kMaxCode. The same codes as a search of the format's sorted values
-// (FloatToFp8E4M3BySearch, the tests' reference), at a fraction of the
-// time (ReshapeAndCache into fp8 caches).
-template <int kMan, int kBias, uint8_t kMaxCode>
+// The fp8 formats FloatToFp8Bits encodes: kMan mantissa bits, exponent
+// bias kBias, largest finite code kMaxCode (e4m3fn: 448; e5m2: 57344).
+struct Fp8E4M3Format {
+  static constexpr int kMan = 3, kBias = 7;
+  static constexpr uint8_t kMaxCode = 0x7e;
+};
+struct Fp8E5M2Format {
+  static constexpr int kMan = 2, kBias = 15;
+  static constexpr uint8_t kMaxCode = 0x7b;
+};
+
+// float to fp8 Format, rounded to the nearest value (ties to the even
+// code), saturated at the largest finite one (Inf too), NaN to 0x7f, by
+// the float's bits. The same codes as a search of the format's sorted
+// values (FloatToFp8E4M3BySearch, the tests' reference), at a fraction of
+// the time (ReshapeAndCache into fp8 caches).
+template <typename Format>
 inline uint8_t FloatToFp8Bits(float f) {
+  constexpr int kMan = Format::kMan, kBias = Format::kBias;
   const uint32_t u = FloatBits(f);
   const uint32_t a = u & 0x7fffffff;
   if (a > 0x7f800000) return 0x7f;  // NaN, unsigned as the search gives it
@@ -102,12 +111,14 @@ inline uint8_t FloatToFp8Bits(float f) {
   const uint32_t r = a + ((1u << (kDrop - 1)) - 1) + ((a >> kDrop) & 1);
   const uint32_t code =
       (r >> kDrop) - (static_cast<uint32_t>(127 - kBias) << kMan);
-  return sign | static_cast<uint8_t>(code > kMaxCode ? kMaxCode : code);
+  return sign | static_cast<uint8_t>(code > Format::kMaxCode ? Format::kMaxCode
+                                                             : code);
 }
-// e4m3fn: largest finite 448 (0x7e); e5m2: 57344 (0x7b).
-inline uint8_t FloatToFp8E4M3(float f) { return FloatToFp8Bits<3, 7, 0x7e>(f); }
+inline uint8_t FloatToFp8E4M3(float f) {
+  return FloatToFp8Bits<Fp8E4M3Format>(f);
+}
 inline uint8_t FloatToFp8E5M2(float f) {
-  return FloatToFp8Bits<2, 15, 0x7b>(f);
+  return FloatToFp8Bits<Fp8E5M2Format>(f);
 }
 // The same conversions by a binary search of the format's values: the
 // reference FloatToFp8E4M3 and FloatToFp8E5M2 are tested against.
