@@ -512,7 +512,9 @@ struct Options {
   // Tokens a block (--block_size=): 8, 16 or 32, the kernel's sizes; the
   // goal's grid is at 16, vLLM's default.
   int64_t block_size = 16;
-  int64_t prefill = 0;    // query tokens per row; 0: decode (one)
+  int64_t prefill = 0;  // query tokens per row; 0: decode (one)
+  // --mixed=P: a chunked-prefill step, timed against its parts (MeasureMixed).
+  int64_t mixed = 0;
   double len_spread = 0;  // decode rows' lengths over [ctx (1 - F), ctx]
   // The query's dtype (--query=); kInvalid: the cache's (bf16 for fp8).
   DType query = DType::kInvalid;
@@ -997,10 +999,10 @@ Setup MakeSetup(DType dtype, int64_t ctx, int64_t batch, const Options& o) {
 // Times one call of p on rows, cold (o.cold) as o.cold_mode says: kFlush
 // flushes and reads before the call, kLines only flushes, kLayers calls the
 // next layer, kLayersFlush too and flushes its lines after the call (the
-// flushes untimed).
+// flushes untimed). q: the query (by default st->q).
 double TimedCall(Setup* st, const Options& o, CacheFlusher* flusher,
                  const AttentionRows& rows, const AttentionParams& p,
-                 ThreadPool* pool, Tensor* out) {
+                 ThreadPool* pool, Tensor* out, const Tensor* q = nullptr) {
   const bool layers = o.CyclesLayers();
   const int64_t layer = layers ? st->next_layer : 0;
   if (o.cold && !layers) {
@@ -1008,7 +1010,8 @@ double TimedCall(Setup* st, const Options& o, CacheFlusher* flusher,
                    /*read=*/o.cold_mode != Options::ColdMode::kLines);
   }
   const double t = Now();
-  (void)PagedAttention(*st->cache, layer, st->q, rows, p, pool, out);
+  (void)PagedAttention(*st->cache, layer, q != nullptr ? *q : st->q, rows, p,
+                       pool, out);
   const double dt = Now() - t;
   if (layers) {
     // Without CLFLUSHOPT (kLayers only: kLayersFlush falls back to kFlush
@@ -1214,6 +1217,91 @@ AbResult MeasureAb(DType dtype, int64_t ctx, int64_t batch, int threads,
           static_cast<int>(ratios.size())};
 }
 
+struct MixedResult {
+  double best_mixed_us, best_prefill_us, best_decode_us;
+  double median_ratio;  // over rounds: mixed / (prefill + decode)
+  int rounds;
+};
+
+// --mixed=P: one step of chunked prefill as vLLM's scheduler batches it
+// (prefill rows first): a row of P query tokens, the last P of its `ctx`
+// keys (causal), then `batch` decode rows of `ctx` keys, in one call,
+// against the same two sets of rows in two calls (the prefill row alone,
+// then the decode rows alone) on the same cache, blocks and queries.
+// Rounds alternate which comes first; each call is cold as o.cold_mode
+// says. A ratio over 1 is what batching the two costs: a thread left idle
+// while the other finishes a long item, or a decode row denied the path
+// it takes in a call of decode rows alone.
+MixedResult MeasureMixed(DType dtype, int64_t ctx, int64_t batch, int threads,
+                         const Options& o, CacheFlusher* flusher) {
+  Options od = o;
+  od.prefill = 0;
+  Setup st = MakeSetup(dtype, ctx, batch + 1, od);
+  const int64_t p = std::min(o.mixed, ctx);
+  AttentionRows& mixed = st.rows;  // row 0 the prefill, 1 .. batch decode
+  const int64_t w = mixed.width;
+  mixed.seq_lens[0] = ctx;
+  mixed.query_start.clear();
+  mixed.query_start.push_back(0);
+  for (int64_t r = 0; r <= batch; ++r) mixed.query_start.push_back(p + r);
+  AttentionRows prefill, decode;
+  prefill.width = decode.width = w;
+  prefill.num_real = 1;
+  prefill.query_start = {0, p};
+  prefill.seq_lens = {ctx};
+  prefill.block_tables.assign(mixed.block_tables.begin(),
+                              mixed.block_tables.begin() + w);
+  decode.num_real = batch;
+  for (int64_t r = 0; r <= batch; ++r) decode.query_start.push_back(r);
+  decode.seq_lens.assign(mixed.seq_lens.begin() + 1, mixed.seq_lens.end());
+  decode.block_tables.assign(mixed.block_tables.begin() + w,
+                             mixed.block_tables.end());
+  const DType act = st.q.dtype();
+  auto query = [&](int64_t tokens) {
+    Tensor q = *Tensor::Zeros(CpuDevice(), act, {tokens, 32, 128});
+    std::memset(q.raw_data(), 0x11, q.nbytes());
+    return q;
+  };
+  st.q = query(p + batch);
+  const Tensor q_prefill = query(p), q_decode = query(batch);
+  ThreadPool pool(threads);
+  o.polls.Apply(&pool);
+  Tensor out_m, out_p, out_d;
+  WarmUp(&st, o, flusher, mixed, o.params, &pool, &out_m);
+  MustRun(PagedAttention(*st.cache, 0, q_prefill, prefill, o.params, &pool,
+                         &out_p));
+  MustRun(
+      PagedAttention(*st.cache, 0, q_decode, decode, o.params, &pool, &out_d));
+  if (FlushesLines(o, st)) {
+    for (int64_t l = 0; l < st.layers; ++l) {
+      flusher->Flush(*st.cache, mixed, l, /*read=*/false);
+    }
+  }
+  std::vector<double> ratios;
+  double best_m = 1e30, best_p = 1e30, best_d = 1e30;
+  const double start = Now();
+  while (Now() - start < o.seconds ||
+         ratios.size() <
+             static_cast<size_t>(std::max<int64_t>(5, o.min_calls))) {
+    auto call_mixed = [&] {
+      return TimedCall(&st, o, flusher, mixed, o.params, &pool, &out_m);
+    };
+    const bool mixed_first = ratios.size() % 2 == 0;
+    const double tm = mixed_first ? call_mixed() : 0;
+    const double tp = TimedCall(&st, o, flusher, prefill, o.params, &pool,
+                                &out_p, &q_prefill);
+    const double td =
+        TimedCall(&st, o, flusher, decode, o.params, &pool, &out_d, &q_decode);
+    const double tm2 = mixed_first ? tm : call_mixed();
+    best_m = std::min(best_m, tm2);
+    best_p = std::min(best_p, tp);
+    best_d = std::min(best_d, td);
+    ratios.push_back(tm2 / (tp + td));
+  }
+  return {best_m * 1e6, best_p * 1e6, best_d * 1e6, Median(ratios),
+          static_cast<int>(ratios.size())};
+}
+
 }  // namespace
 }  // namespace kvstep
 
@@ -1294,6 +1382,12 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "--prefill must be at least 1\n");
         return 2;
       }
+    } else if (const char* v = value("--mixed=")) {
+      o.mixed = std::stoll(v);
+      if (o.mixed < 1) {
+        std::fprintf(stderr, "--mixed must be at least 1\n");
+        return 2;
+      }
     } else if (const char* v = value("--seconds=")) {
       o.seconds = std::stod(v);
     } else if (const char* v = value("--min_calls=")) {
@@ -1344,6 +1438,10 @@ int main(int argc, char** argv) {
                    vs_flag.c_str() + 2);
       return 2;
     }
+  }
+  if (o.mixed > 0 && (o.ab || o.prefill > 0)) {
+    std::fprintf(stderr, "--mixed takes neither --vs nor --prefill\n");
+    return 2;
   }
   // ChurnTables simulates 16-token blocks.
   if (o.Churns() && o.block_size != 16) {
@@ -1440,7 +1538,17 @@ int main(int argc, char** argv) {
         "(same thread count)\n",
         static_cast<long>(o.prefill));
   }
-  if (o.ab) {
+  if (o.mixed > 0) {
+    std::printf(
+        "mixed: a row of %ld query tokens (the last of its context's, "
+        "causal) and `batch` decode rows in one call, against the two in "
+        "separate calls; \"M/(P+D)\" is the median over rounds of the mixed "
+        "call's time / the sum of the two\n",
+        static_cast<long>(o.mixed));
+    std::printf("%-9s %7s %6s %8s %10s %10s %10s %7s %6s\n", "dtype", "context",
+                "batch", "threads", "M best us", "P best us", "D best us",
+                "M/(P+D)", "rounds");
+  } else if (o.ab) {
     std::printf(
         "A/B: A = %s, %s, %s tables; B = %s, %s, %s tables; called "
         "alternately; \"B/A\" is the median over pairs of B's time / A's\n",
@@ -1489,6 +1597,17 @@ int main(int argc, char** argv) {
         }
         for (int threads : {1, 2}) {
           if (only_threads != 0 && threads != only_threads) continue;
+          if (o.mixed > 0) {
+            const kvstep::MixedResult r =
+                kvstep::MeasureMixed(d, ctx, batch, threads, o, &flusher);
+            std::printf("%-9s %7ld %6ld %8d %10.1f %10.1f %10.1f %7.3f %6d\n",
+                        std::string(kvstep::DTypeName(d)).c_str(),
+                        static_cast<long>(ctx), static_cast<long>(batch),
+                        threads, r.best_mixed_us, r.best_prefill_us,
+                        r.best_decode_us, r.median_ratio, r.rounds);
+            std::fflush(stdout);
+            continue;
+          }
           if (o.ab) {
             const kvstep::AbResult r =
                 kvstep::MeasureAb(d, ctx, batch, threads, o, &flusher);

@@ -347,6 +347,10 @@ std::atomic<int64_t> vllm_row_passes{0};
 // tests: internal::LongRowRangeCalls.
 std::atomic<int64_t> long_row_range_calls{0};
 
+// Calls that took UnevenClaims' claims (Run), for tests:
+// internal::UnevenClaimCalls.
+std::atomic<int64_t> uneven_claim_calls{0};
+
 // ThisCpu's one reading of CPUID (attention.h).
 CpuIdentity ReadCpuIdentity() {
   CpuIdentity id;
@@ -1266,6 +1270,93 @@ int64_t RowSpans(int64_t rows, int64_t threads) {
   return rows == 1 && threads > 1 ? threads : 1;
 }
 
+// UnevenClaims' claims: a call's rows sorted into work that threads take
+// one claim at a time, none much more than a share of the call.
+constexpr int64_t kClaimsAThread = 8;
+
+// internal::UnevenClaims (see attention.h), for Run's calls whose rows hold
+// different numbers of query tokens. ClaimSize's claims assume items of
+// equal work: a prefill chunk's KV heads, claimed as a row, left one
+// thread with the chunk and the other idle once the decode rows were done
+// (a 512-token chunk at 2048 keys beside 16 decode rows, bf16, two
+// threads: 1.76x the time of the two calls apart; docs/attention.md,
+// session 71).
+std::vector<internal::ItemClaim> UnevenClaimsOf(
+    const AttentionRows& rows, int64_t kvh, int64_t threads, int64_t chunk,
+    int64_t row_tokens,
+    const std::function<int64_t(int64_t, int64_t)>& chunk_keys) {
+  using internal::ItemClaim;
+  // A KV head's work in each row: query tokens x keys, chunk by chunk.
+  std::vector<double> head_work(static_cast<size_t>(rows.num_real), 0.0);
+  double all = 0;
+  auto chunk_work = [&](int64_t r, int64_t qi) {
+    const int64_t qe = rows.query_start[r + 1];
+    return static_cast<double>(std::min(chunk, qe - qi)) *
+           static_cast<double>(chunk_keys(r, qi));
+  };
+  for (int64_t r = 0; r < rows.num_real; ++r) {
+    for (int64_t qi = rows.query_start[r]; qi < rows.query_start[r + 1];
+         qi += chunk) {
+      head_work[r] += chunk_work(r, qi);
+    }
+    all += head_work[r] * static_cast<double>(kvh);
+  }
+  const double share =
+      all / static_cast<double>(kClaimsAThread * std::max<int64_t>(1, threads));
+  std::vector<ItemClaim> claims;
+  for (int64_t r = 0; r < rows.num_real; ++r) {
+    const int64_t qs = rows.query_start[r], qe = rows.query_start[r + 1];
+    if (qs == qe) continue;
+    const double w = head_work[r];
+    if (row_tokens > 0 && qe - qs <= row_tokens) {
+      claims.push_back({r, 0, kvh, qs, qe, true, w * static_cast<double>(kvh)});
+      continue;
+    }
+    if (w <= share) {
+      // The most KV heads (a divisor of kvh) within a share: decode rows
+      // beside a prefill chunk keep a row's heads on one thread, as
+      // ClaimSize does.
+      int64_t g = 1;
+      for (int64_t d = kvh; d > 1; --d) {
+        if (kvh % d == 0 && static_cast<double>(d) * w <= share) {
+          g = d;
+          break;
+        }
+      }
+      for (int64_t h = 0; h < kvh; h += g) {
+        claims.push_back(
+            {r, h, h + g, qs, qe, false, w * static_cast<double>(g)});
+      }
+      continue;
+    }
+    // Whole chunks from the row's first, up to a share each (at least one),
+    // every KV head's.
+    int64_t q0 = qs;
+    double piece = 0;
+    auto emit = [&](int64_t q1) {
+      for (int64_t h = 0; h < kvh; ++h) {
+        claims.push_back({r, h, h + 1, q0, q1, false, piece});
+      }
+    };
+    for (int64_t qi = qs; qi < qe; qi += chunk) {
+      const double cw = chunk_work(r, qi);
+      if (qi > q0 && piece + cw > share) {
+        emit(qi);
+        q0 = qi;
+        piece = 0;
+      }
+      piece += cw;
+    }
+    emit(qe);
+  }
+  // Heaviest first (each thread takes the next claim as it finishes one),
+  // equal ones in row order.
+  std::stable_sort(
+      claims.begin(), claims.end(),
+      [](const ItemClaim& x, const ItemClaim& y) { return x.work > y.work; });
+  return claims;
+}
+
 // Schedules the kernel A (an Attender) over (row, KV head) items, or over
 // (row, KV head, partition) items plus a reduction.
 template <typename A>
@@ -1395,10 +1486,22 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
     }
   };
   constexpr int64_t kChunk = A::kChunk;
+  // Calls whose rows hold different numbers of query tokens (a prefill
+  // chunk beside decode rows) take UnevenClaims' claims instead of
+  // ClaimSize's, whose rows of equal work they are not; rows of up to
+  // RowTokens query tokens then are items over every KV head, as in calls
+  // of such rows alone.
+  int64_t min_tokens = max_tokens;
+  for (int64_t r = 0; r < rows.num_real; ++r) {
+    const int64_t n = rows.query_start[r + 1] - rows.query_start[r];
+    if (n > 0) min_tokens = std::min(min_tokens, n);
+  }
+  const bool uneven = !by_rows && min_tokens < max_tokens;
   // Virtual heads of one chunk of one item, for which Partial writes its
   // results (by rows: a row's every token, at most RowTokens).
   const int64_t item_heads_max =
-      (by_rows ? max_tokens : kChunk) * G * heads_per_item;
+      std::max((by_rows ? max_tokens : kChunk) * G * heads_per_item,
+               uneven ? a.RowTokens() * G * kvh : int64_t{0});
   // Items with a scratch per participating thread, reused across its items
   // (a fresh one per item cost a malloc and a memset of tens of KB each)
   // and kept by the thread for its next call (ScratchLease). Items are
@@ -1509,25 +1612,53 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
         rows.num_real * spans, 1);
     return;
   }
+  // KV heads [h0, h1) of row r (one head, or every head of a row item)
+  // over its query tokens [q0, q1), whole chunks from the row's first.
+  auto item = [&](Scratch& scratch, int64_t r, int64_t h0, int64_t h1,
+                  int64_t q0, int64_t q1) {
+    const int64_t qe = rows.query_start[r + 1];
+    for (int64_t qi = q0; qi < q1; qi += kChunk) {
+      int64_t ntok, pos0, lo, hi;
+      a.Chunk(r, qi, qe, &ntok, &pos0, &lo, &hi);
+      a.PartialHeads(scratch, r, h0, h1, qi, ntok, pos0, lo, hi,
+                     scratch.m.data(), scratch.s.data(), scratch.acc.data());
+      for (int64_t h = h0; h < h1; ++h) {
+        for (int64_t k = 0; k < ntok; ++k) {
+          const int64_t v = ((h - h0) * ntok + k) * G;
+          a.Store(qi + k, h, &scratch.acc[v * D], &scratch.s[v]);
+        }
+      }
+    }
+  };
+  if (!partitioned && uneven) {
+    uneven_claim_calls.fetch_add(1, std::memory_order_relaxed);
+    const std::vector<internal::ItemClaim> claims = UnevenClaimsOf(
+        rows, kvh, threads, kChunk, a.RowTokens(), [&](int64_t r, int64_t qi) {
+          int64_t ntok, pos0, lo, hi;
+          a.Chunk(r, qi, rows.query_start[r + 1], &ntok, &pos0, &lo, &hi);
+          return hi - lo;
+        });
+    run_items(
+        [&](Scratch& scratch, int64_t i) {
+          const internal::ItemClaim& c = claims[i];
+          if (c.whole) {
+            item(scratch, c.row, 0, kvh, c.q0, c.q1);
+            return;
+          }
+          for (int64_t h = c.h0; h < c.h1; ++h) {
+            item(scratch, c.row, h, h + 1, c.q0, c.q1);
+          }
+        },
+        static_cast<int64_t>(claims.size()), 1);
+    return;
+  }
   if (!partitioned) {
     run_items(
-        [&](Scratch& scratch, int64_t item) {
+        [&](Scratch& scratch, int64_t i) {
           int64_t r, h0;
-          item_heads(item, &r, &h0);
-          const int64_t qs = rows.query_start[r], qe = rows.query_start[r + 1];
-          for (int64_t qi = qs; qi < qe; qi += kChunk) {
-            int64_t ntok, pos0, lo, hi;
-            a.Chunk(r, qi, qe, &ntok, &pos0, &lo, &hi);
-            a.PartialHeads(scratch, r, h0, h0 + heads_per_item, qi, ntok, pos0,
-                           lo, hi, scratch.m.data(), scratch.s.data(),
-                           scratch.acc.data());
-            for (int64_t h = h0; h < h0 + heads_per_item; ++h) {
-              for (int64_t k = 0; k < ntok; ++k) {
-                const int64_t v = ((h - h0) * ntok + k) * G;
-                a.Store(qi + k, h, &scratch.acc[v * D], &scratch.s[v]);
-              }
-            }
-          }
+          item_heads(i, &r, &h0);
+          item(scratch, r, h0, h0 + heads_per_item, rows.query_start[r],
+               rows.query_start[r + 1]);
         },
         items, by_rows ? 1 : ClaimSize(items, kvh, threads));
     return;
@@ -2071,10 +2202,18 @@ int64_t Bf16DotKeyPasses() { return bf16_dot_key_passes.load(); }
 int64_t NhdRowPasses() { return nhd_row_passes.load(); }
 int64_t VllmRowPasses() { return vllm_row_passes.load(); }
 int64_t LongRowRangeCalls() { return long_row_range_calls.load(); }
+int64_t UnevenClaimCalls() { return uneven_claim_calls.load(); }
 bool AmdOrHygonCpu() { return AmdVendor(); }
 
 int64_t ClaimSize(int64_t n, int64_t kvh, int64_t threads) {
   return kvstep::ClaimSize(n, kvh, threads);
+}
+
+std::vector<ItemClaim> UnevenClaims(
+    const AttentionRows& rows, int64_t kvh, int64_t threads, int64_t chunk,
+    int64_t row_tokens,
+    const std::function<int64_t(int64_t, int64_t)>& chunk_keys) {
+  return UnevenClaimsOf(rows, kvh, threads, chunk, row_tokens, chunk_keys);
 }
 
 void ExpForTest(AttentionParams::Isa isa, const float* x, int64_t n,

@@ -32,6 +32,7 @@
 #define KVSTEP_CORE_ATTENTION_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -453,9 +454,33 @@ int64_t VllmRowPasses();
 // Calls that kAuto took as long rows in 1024-key ranges
 // (BestLongRowRanges), since the process started.
 int64_t LongRowRangeCalls();
+// Calls whose rows held different numbers of query tokens and took
+// UnevenClaims' claims, since the process started.
+int64_t UnevenClaimCalls();
 // How many consecutive (row, KV head) items of n a thread claims at a time
 // (kvh KV heads a row, `threads` threads); see attention.cc.
 int64_t ClaimSize(int64_t n, int64_t kvh, int64_t threads);
+// One claim of a call whose rows hold different numbers of query tokens
+// (chunked prefill beside decode rows), which the threads take one at a
+// time, heaviest first: KV heads [h0, h1) of `row`, each over query tokens
+// [q0, q1) (whole chunks from the row's first token), or with `whole` the
+// row as one item over every KV head (a row of up to `row_tokens` query
+// tokens, the kernel's rows over every KV head). `work` is query tokens x
+// keys over its heads.
+struct ItemClaim {
+  int64_t row = 0, h0 = 0, h1 = 0, q0 = 0, q1 = 0;
+  bool whole = false;
+  double work = 0;
+};
+// The claims of such a call (`chunk` query tokens a chunk; chunk_keys(r,
+// qi): the keys of row r's chunk from token qi): each row's KV heads
+// grouped where a row's work is within a share (an eighth of each
+// thread's), a heavier row's heads each cut into pieces of whole chunks
+// of about a share (see attention.cc).
+std::vector<ItemClaim> UnevenClaims(
+    const AttentionRows& rows, int64_t kvh, int64_t threads, int64_t chunk,
+    int64_t row_tokens,
+    const std::function<int64_t(int64_t, int64_t)>& chunk_keys);
 // Whether CPUID names AMD or Hygon (Zen cores) as this CPU's vendor: where
 // the kernel's per-CPU choices take the Zen 5's measurements (the tests
 // check those choices against it).

@@ -1681,13 +1681,17 @@ TEST(PagedAttention, NhdRowsOverEveryKvHead) {
     if (HasFatalFailure()) return;
     EXPECT_EQ(internal::NhdRowPasses(), before);
   }
-  // 32 query heads: RowTokens is 4, and the prefill row has 5 tokens.
+  // 32 query heads: RowTokens is 4, and the prefill row has 5 tokens. The
+  // call's rows are uneven (UnevenClaims): the decode rows are still read
+  // over every KV head, the prefill row by an item per KV head.
   Case k = Make(CacheLayout::kNhd, DType::kBFloat16, DType::kBFloat16, 32, 8);
   k.head_size = 64;
   const int64_t before = internal::NhdRowPasses();
+  const int64_t uneven = internal::UnevenClaimCalls();
   Check(k);
   if (HasFatalFailure()) return;
-  EXPECT_EQ(internal::NhdRowPasses(), before);
+  EXPECT_EQ(internal::NhdRowPasses() > before, avx512);
+  EXPECT_GT(internal::UnevenClaimCalls(), uneven);
   k.prefill_tokens = 4;
   Check(k);
   if (HasFatalFailure()) return;
@@ -1809,12 +1813,15 @@ TEST(PagedAttention, VllmDecodeRowsOverEveryKvHead) {
       }
     }
   }
-  // A prefill row in the batch: an item per KV head for every row.
+  // A prefill row in the batch (UnevenClaims): the decode rows are still
+  // read over every KV head, the prefill row by an item per KV head.
   Case k = Make(CacheLayout::kVllm, DType::kBFloat16, DType::kBFloat16, 8, 2);
   const int64_t before = internal::VllmRowPasses();
+  const int64_t uneven = internal::UnevenClaimCalls();
   Check(k);
   if (HasFatalFailure()) return;
-  EXPECT_EQ(internal::VllmRowPasses(), before);
+  EXPECT_EQ(internal::VllmRowPasses() > before, avx512);
+  EXPECT_GT(internal::UnevenClaimCalls(), uneven);
 }
 
 // Calls under parallel_min_bytes (4 MiB by default) of K/V run on the
@@ -2616,6 +2623,193 @@ TEST(PagedAttention, ClaimSizeKeepsHeadsTogetherAndThreadsEven) {
         ASSERT_TRUE((n / g) % threads == 0 || n / g >= 8 * threads)
             << n << " items, " << threads << " threads, claims of " << g;
       }
+    }
+  }
+}
+
+// A call whose rows differ in query tokens (a prefill chunk beside decode
+// rows) is claimed by UnevenClaims: every (row, KV head, query token) once,
+// heaviest claims first, and no thread left far behind when the threads
+// take the claims in that order (list scheduling, as Run's counter hands
+// them out). ClaimSize's whole-row claims put a 512-token chunk on one
+// thread: 1.76x the two threads' time.
+TEST(PagedAttention, UnevenClaimsCoverEveryItemOnceAndBalance) {
+  struct Shape {
+    std::vector<int64_t> tokens, lens;
+    int64_t kvh, window, row_tokens;
+  };
+  const std::vector<int64_t> decode16(16, 1), lens16(16, 2048);
+  auto cat = [](std::vector<int64_t> a, const std::vector<int64_t>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  };
+  const std::vector<Shape> shapes = {
+      // A 512-token chunk, then 16 decode rows; per KV head and by rows.
+      {cat({512}, decode16), cat({2048}, lens16), 8, 0, 0},
+      {cat({512}, decode16), cat({2048}, lens16), 8, 0, 1},
+      // One KV head (a tensor-parallel shard): the chunk is cut by tokens.
+      {cat({512}, decode16), cat({2048}, lens16), 1, 0, 1},
+      // Decode rows first, two chunks of other sizes, a sliding window.
+      {{1, 1, 64, 1, 300, 1, 0}, {4000, 90, 600, 7, 900, 1, 5}, 4, 256, 0},
+      // Short decode rows beside a 17-token chunk (two chunks, one token).
+      {{1, 17, 1, 1}, {40, 17, 3, 100}, 2, 0, 1},
+  };
+  constexpr int64_t kChunk = 16;
+  for (const Shape& sh : shapes) {
+    AttentionRows rows;
+    rows.num_real = static_cast<int64_t>(sh.tokens.size());
+    rows.query_start = {0};
+    for (int64_t t : sh.tokens) {
+      rows.query_start.push_back(rows.query_start.back() + t);
+    }
+    rows.seq_lens = sh.lens;
+    // Keys of row r's chunk from token qi: causal within the window.
+    auto chunk_keys = [&](int64_t r, int64_t qi) {
+      const int64_t qe = rows.query_start[r + 1];
+      const int64_t ntok = std::min(kChunk, qe - qi);
+      const int64_t pos0 = rows.seq_lens[r] - (qe - qi);
+      const int64_t hi = pos0 + ntok;
+      const int64_t lo =
+          sh.window > 0 ? std::max<int64_t>(0, pos0 - sh.window + 1) : 0;
+      return hi - lo;
+    };
+    for (int64_t threads : {1, 2, 3}) {
+      SCOPED_TRACE(::testing::Message()
+                   << sh.tokens.size() << " rows, " << sh.kvh << " KV heads, "
+                   << threads << " threads, row_tokens " << sh.row_tokens);
+      const std::vector<internal::ItemClaim> claims = internal::UnevenClaims(
+          rows, sh.kvh, threads, kChunk, sh.row_tokens, chunk_keys);
+      // Every (row, KV head, query token) exactly once; work as claimed.
+      std::vector<int> seen(rows.query_start.back() * sh.kvh, 0);
+      double all = 0, most = 0;
+      std::vector<double> load(threads, 0.0);
+      for (size_t i = 0; i < claims.size(); ++i) {
+        const internal::ItemClaim& c = claims[i];
+        ASSERT_GE(c.row, 0);
+        ASSERT_LT(c.row, rows.num_real);
+        const int64_t qs = rows.query_start[c.row];
+        const int64_t qe = rows.query_start[c.row + 1];
+        ASSERT_TRUE(qs <= c.q0 && c.q0 < c.q1 && c.q1 <= qe);
+        ASSERT_EQ((c.q0 - qs) % kChunk, 0) << "pieces start on a chunk";
+        ASSERT_TRUE(0 <= c.h0 && c.h0 < c.h1 && c.h1 <= sh.kvh);
+        EXPECT_EQ(c.whole, sh.row_tokens > 0 && qe - qs <= sh.row_tokens);
+        if (c.whole) {
+          EXPECT_TRUE(c.h0 == 0 && c.h1 == sh.kvh && c.q0 == qs && c.q1 == qe);
+        }
+        double w = 0;
+        for (int64_t qi = c.q0; qi < c.q1; qi += kChunk) {
+          w += static_cast<double>(std::min(kChunk, qe - qi) *
+                                   chunk_keys(c.row, qi));
+        }
+        EXPECT_DOUBLE_EQ(c.work, w * static_cast<double>(c.h1 - c.h0));
+        for (int64_t h = c.h0; h < c.h1; ++h) {
+          for (int64_t q = c.q0; q < c.q1; ++q) ++seen[q * sh.kvh + h];
+        }
+        if (i > 0) EXPECT_GE(claims[i - 1].work, c.work) << "heaviest first";
+        all += c.work;
+        most = std::max(most, c.work);
+        *std::min_element(load.begin(), load.end()) += c.work;
+      }
+      for (size_t i = 0; i < seen.size(); ++i) {
+        ASSERT_EQ(seen[i], 1)
+            << "token " << i / sh.kvh << " head " << i % sh.kvh;
+      }
+      // Within 10% of an even split, or one claim's work (a row that
+      // cannot be cut: a whole row, or one chunk of one head).
+      const double finish = *std::max_element(load.begin(), load.end());
+      EXPECT_LE(finish,
+                std::max(1.10 * all / static_cast<double>(threads), most))
+          << "claims " << claims.size();
+    }
+  }
+}
+
+// A prefill chunk and decode rows in one call give, bit for bit, what the
+// two give in separate calls, on one thread and on two: UnevenClaims' claims
+// (the chunk cut by KV head and by tokens, the decode rows over every KV
+// head) run the kernel's own passes, each token's alone.
+TEST(PagedAttention, MixedBatchMatchesItsPartsBitForBit) {
+  std::mt19937_64 rng(11);
+  std::uniform_real_distribution<float> uni(-1, 1);
+  for (CacheLayout layout : {CacheLayout::kVllm, CacheLayout::kNhd}) {
+    SCOPED_TRACE(CacheLayoutName(layout));
+    CacheConfig c;
+    c.num_blocks = 400;
+    c.block_size = 16;
+    c.num_layers = 1;
+    c.num_kv_heads = 2;
+    c.head_size = 64;
+    c.dtype = DType::kBFloat16;
+    c.layout = layout;
+    auto cache = *KvCache::Create(c, CpuDevice());
+    for (const Tensor* t : {&cache->key(0), &cache->value(0)}) {
+      auto* raw = static_cast<uint16_t*>(t->raw_data());
+      for (size_t i = 0; i < t->nbytes() / 2; ++i) {
+        raw[i] = FloatToBF16(uni(rng));
+      }
+    }
+    // Row 0: a chunk of 300 query tokens ending at 900 keys; rows 1-5
+    // decode rows of 40-1000 keys.
+    const std::vector<int64_t> tokens = {300, 1, 1, 1, 1, 1};
+    const std::vector<int64_t> lens = {900, 40, 1000, 333, 17, 640};
+    const int64_t width = 63;
+    std::vector<int64_t> perm(c.num_blocks);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    auto make_rows = [&](int64_t r0, int64_t r1) {
+      AttentionRows rows;
+      rows.num_real = r1 - r0;
+      rows.width = width;
+      rows.query_start = {0};
+      for (int64_t r = r0; r < r1; ++r) {
+        rows.query_start.push_back(rows.query_start.back() + tokens[r]);
+        rows.seq_lens.push_back(lens[r]);
+        rows.block_tables.insert(rows.block_tables.end(),
+                                 perm.begin() + r * width,
+                                 perm.begin() + (r + 1) * width);
+      }
+      return rows;
+    };
+    const AttentionRows mixed = make_rows(0, 6), chunk = make_rows(0, 1),
+                        decode = make_rows(1, 6);
+    const int64_t T = mixed.query_start.back();
+    std::vector<float> qraw(T * 8 * 64);
+    for (float& x : qraw) x = uni(rng);
+    const Tensor q = Activations(DType::kBFloat16, {T, 8, 64}, qraw);
+    const Tensor q_chunk = Activations(
+        DType::kBFloat16, {300, 8, 64},
+        std::vector<float>(qraw.begin(), qraw.begin() + 300 * 8 * 64));
+    const Tensor q_decode = Activations(
+        DType::kBFloat16, {5, 8, 64},
+        std::vector<float>(qraw.begin() + 300 * 8 * 64, qraw.end()));
+    AttentionParams p;
+    p.parallel_min_bytes = 0;  // both threads, however small the call
+    auto bytes = [](const Tensor& t) {
+      const auto* b = static_cast<const uint8_t*>(t.raw_data());
+      return std::vector<uint8_t>(b, b + t.nbytes());
+    };
+    for (int threads : {1, 2}) {
+      SCOPED_TRACE(::testing::Message() << threads << " threads");
+      ThreadPool pool(threads);
+      Tensor out, out_chunk, out_decode;
+      const int64_t before = internal::UnevenClaimCalls();
+      ASSERT_TRUE(PagedAttention(*cache, 0, q, mixed, p, &pool, &out).ok());
+      EXPECT_EQ(internal::UnevenClaimCalls(), before + 1);
+      // The chunk alone has 2 items, fewer than twice the threads, which
+      // kAuto takes by partitions (v2, other sums) on two threads.
+      AttentionParams single = p;
+      single.kernel = AttentionParams::Kernel::kSinglePass;
+      ASSERT_TRUE(
+          PagedAttention(*cache, 0, q_chunk, chunk, single, &pool, &out_chunk)
+              .ok());
+      ASSERT_TRUE(PagedAttention(*cache, 0, q_decode, decode, single, &pool,
+                                 &out_decode)
+                      .ok());
+      EXPECT_EQ(internal::UnevenClaimCalls(), before + 1);
+      std::vector<uint8_t> parts = bytes(out_chunk);
+      const std::vector<uint8_t> d = bytes(out_decode);
+      parts.insert(parts.end(), d.begin(), d.end());
+      EXPECT_TRUE(bytes(out) == parts);
     }
   }
 }
