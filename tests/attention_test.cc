@@ -2630,9 +2630,10 @@ TEST(PagedAttention, ClaimSizeKeepsHeadsTogetherAndThreadsEven) {
 // A call whose rows differ in query tokens (a prefill chunk beside decode
 // rows) is claimed by UnevenClaims: every (row, KV head, query token) once,
 // heaviest claims first, and no thread left far behind when the threads
-// take the claims in that order (list scheduling, as Run's counter hands
-// them out). ClaimSize's whole-row claims put a 512-token chunk on one
-// thread: 1.76x the two threads' time.
+// take them as Run does (even-numbered threads from the heavy end, odd
+// ones from the light end, each the next as it finishes one; simulated
+// with a claim's time as its work). ClaimSize's whole-row claims put a
+// 512-token chunk on one thread: 1.76x the two threads' time.
 TEST(PagedAttention, UnevenClaimsCoverEveryItemOnceAndBalance) {
   struct Shape {
     std::vector<int64_t> tokens, lens;
@@ -2682,7 +2683,6 @@ TEST(PagedAttention, UnevenClaimsCoverEveryItemOnceAndBalance) {
       // Every (row, KV head, query token) exactly once; work as claimed.
       std::vector<int> seen(rows.query_start.back() * sh.kvh, 0);
       double all = 0, most = 0;
-      std::vector<double> load(threads, 0.0);
       for (size_t i = 0; i < claims.size(); ++i) {
         const internal::ItemClaim& c = claims[i];
         ASSERT_GE(c.row, 0);
@@ -2708,11 +2708,23 @@ TEST(PagedAttention, UnevenClaimsCoverEveryItemOnceAndBalance) {
         if (i > 0) EXPECT_GE(claims[i - 1].work, c.work) << "heaviest first";
         all += c.work;
         most = std::max(most, c.work);
-        *std::min_element(load.begin(), load.end()) += c.work;
       }
       for (size_t i = 0; i < seen.size(); ++i) {
         ASSERT_EQ(seen[i], 1)
             << "token " << i / sh.kvh << " head " << i % sh.kvh;
+      }
+      // Coarse: over a quarter of a thread's share of the call.
+      for (const internal::ItemClaim& c : claims) {
+        EXPECT_EQ(c.coarse, c.work * 4 * static_cast<double>(threads) > all);
+      }
+      // The threads as Run's claims from both ends run them.
+      std::vector<double> load(threads, 0.0);
+      size_t front = 0, back = claims.size();
+      while (front < back) {
+        const auto t = static_cast<size_t>(
+            std::min_element(load.begin(), load.end()) - load.begin());
+        load[t] += t % 2 == 0 || claims[front].coarse ? claims[front++].work
+                                                      : claims[--back].work;
       }
       // Within 10% of an even split, or one claim's work (a row that
       // cannot be cut: a whole row, or one chunk of one head).
