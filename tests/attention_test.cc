@@ -2788,12 +2788,13 @@ TEST(PagedAttention, MixedBatchMatchesItsPartsBitForBit) {
     std::vector<float> qraw(T * 8 * 64);
     for (float& x : qraw) x = uni(rng);
     const Tensor q = Activations(DType::kBFloat16, {T, 8, 64}, qraw);
+    constexpr int64_t kChunkFloats = int64_t{300} * 8 * 64;
     const Tensor q_chunk = Activations(
         DType::kBFloat16, {300, 8, 64},
-        std::vector<float>(qraw.begin(), qraw.begin() + 300 * 8 * 64));
+        std::vector<float>(qraw.begin(), qraw.begin() + kChunkFloats));
     const Tensor q_decode = Activations(
         DType::kBFloat16, {5, 8, 64},
-        std::vector<float>(qraw.begin() + 300 * 8 * 64, qraw.end()));
+        std::vector<float>(qraw.begin() + kChunkFloats, qraw.end()));
     AttentionParams p;
     p.parallel_min_bytes = 0;  // both threads, however small the call
     auto bytes = [](const Tensor& t) {
