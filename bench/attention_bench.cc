@@ -35,7 +35,8 @@
 //       [--context=N] [--batch=N] [--threads=N]
 //       [--kernel=v1|v2] [--isa=avx512|avx2|portable] [--kv_heads=8]
 //       [--block_size=16]
-//       [--prefill=N] [--warm] [--cold=layers|layers_flush|flush|lines]
+//       [--prefill=N] [--mixed=P] [--warm]
+//       [--cold=layers|layers_flush|flush|lines]
 //       [--vs=isa=avx2|kernel=v1|kernel=v2|...]
 //       [--pool_mib=N]
 //       [--tables=random|sorted|sequential|descending|runs|churn|churn_runs]
@@ -72,6 +73,13 @@
 // in its default order and in --block_order=runs; a "#" line gives each
 // case's share of consecutive entries, and the pool is a quarter larger
 // than the batch's blocks (--max_gb counts the batch's alone).
+//
+// --mixed=P times one step of chunked prefill against its parts
+// (MeasureMixed): a row of P query tokens (the last P of its context)
+// and then --batch decode rows in one call, against the same rows in two
+// calls, the chunk's and the decode rows', on the same cache; it prints
+// each one's best time and the median over rounds of the mixed call's time
+// over the two's sum (not with --vs or --prefill).
 //
 // --len_spread=F (decode, 0 <= F < 1) gives row r seq_len ctx minus a
 // random share of up to F of it (the same draw every run), as a server's

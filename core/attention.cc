@@ -1652,7 +1652,9 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
     // and then both the rows (two threads, a chunk of 16-512 tokens beside
     // 16-64 decode rows: 0.84-0.98x the time of the two calls apart,
     // against 0.99-1.01x; docs/attention.md, session 71). The ends: front
-    // in the low 32 bits, back in the high.
+    // in the low 32 bits, back in the high (claims are at most the query
+    // tokens times the KV heads, far under 2^32 for any query that fits
+    // in memory).
     const auto n = static_cast<uint64_t>(claims.size());
     std::atomic<uint64_t> ends{n << 32};
     auto claim = [&ends, &claims](bool from_back) -> int64_t {
