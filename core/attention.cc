@@ -1270,8 +1270,11 @@ int64_t RowSpans(int64_t rows, int64_t threads) {
   return rows == 1 && threads > 1 ? threads : 1;
 }
 
-// UnevenClaims' claims: a call's rows sorted into work that threads take
-// one claim at a time, none much more than a share of the call.
+// UnevenClaims' share, the work a claim holds about (unless one chunk of
+// one KV head, or a whole row, holds more): a kClaimsAThread-th of a
+// thread's work (the call's over the threads). An 8th did as well from
+// the front alone; from both ends the last claims before the ends meet
+// are the imbalance, so they are kept small.
 constexpr int64_t kClaimsAThread = 32;
 
 // internal::UnevenClaims (see attention.h), for Run's calls whose rows hold

@@ -462,14 +462,14 @@ int64_t UnevenClaimCalls();
 int64_t ClaimSize(int64_t n, int64_t kvh, int64_t threads);
 // One claim of a call whose rows hold different numbers of query tokens
 // (chunked prefill beside decode rows), which the threads take one at a
-// time, heaviest first: KV heads [h0, h1) of `row`, each over query tokens
-// [q0, q1) (whole chunks from the row's first token), or with `whole` the
-// row as one item over every KV head (a row of up to `row_tokens` query
-// tokens, the kernel's rows over every KV head). `work` is query tokens x
-// keys over its heads. Coarse claims (over a quarter of a thread's share
-// of the call) come first, and every thread takes those from the front;
-// the rest even-numbered threads take from the front and odd ones from
-// the back.
+// time from a list sorted heaviest first: KV heads [h0, h1) of `row`, each
+// over query tokens [q0, q1) (whole chunks from the row's first token), or
+// with `whole` the row as one item over every KV head (a row of up to
+// `row_tokens` query tokens, the kernel's rows over every KV head). `work`
+// is query tokens x keys over its heads. A thread's work is the call's over
+// the threads; coarse claims (over a quarter of a thread's work) head the
+// list, and every thread takes those from the front; the rest
+// even-numbered threads take from the front and odd ones from the back.
 struct ItemClaim {
   int64_t row = 0, h0 = 0, h1 = 0, q0 = 0, q1 = 0;
   bool whole = false;
@@ -478,9 +478,9 @@ struct ItemClaim {
 };
 // The claims of such a call (`chunk` query tokens a chunk; chunk_keys(r,
 // qi): the keys of row r's chunk from token qi): each row's KV heads
-// grouped where a row's work is within a share (a 32nd of each
-// thread's), a heavier row's heads each cut into pieces of whole chunks
-// of about a share, heaviest first (see attention.cc).
+// grouped where a row's work is within a share (a 32nd of a thread's
+// work), a heavier row's heads each cut into pieces of whole chunks of
+// about a share (see attention.cc).
 std::vector<ItemClaim> UnevenClaims(
     const AttentionRows& rows, int64_t kvh, int64_t threads, int64_t chunk,
     int64_t row_tokens,

@@ -2705,7 +2705,9 @@ TEST(PagedAttention, UnevenClaimsCoverEveryItemOnceAndBalance) {
         for (int64_t h = c.h0; h < c.h1; ++h) {
           for (int64_t q = c.q0; q < c.q1; ++q) ++seen[q * sh.kvh + h];
         }
-        if (i > 0) EXPECT_GE(claims[i - 1].work, c.work) << "heaviest first";
+        if (i > 0) {
+          EXPECT_GE(claims[i - 1].work, c.work) << "heaviest first";
+        }
         all += c.work;
         most = std::max(most, c.work);
       }
