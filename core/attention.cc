@@ -1483,10 +1483,33 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
                   RowClaimsBalance(claimed, threads);
     }
   }
+  // Calls with prefill rows (more than one query token; not read by rows)
+  // of different sizes, or of fewer items than kAuto's v2 takes, take
+  // UnevenClaims' claims: the rows' work (query tokens x keys) in claims
+  // of about a 32nd of a thread's, by KV heads and by chunks, rows of up
+  // to RowTokens query tokens (decode rows beside a chunk) as items over
+  // every KV head, as in calls of such rows alone. ClaimSize's claims
+  // assume rows of equal work (a 512-token chunk beside 16 decode rows on
+  // two threads: 1.73-1.85x the time of the two calls apart), and v2's
+  // partitions for few items (a 512-token chunk of one or two KV heads)
+  // took 1.33-1.48x the time of the claims on one thread or two; calls of
+  // equal prefill rows and enough items keep ClaimSize's, which the claims
+  // matched within 0-2% (docs/attention.md, session 71).
+  int64_t min_tokens = max_tokens;
+  for (int64_t r = 0; r < rows.num_real; ++r) {
+    const int64_t n = rows.query_start[r + 1] - rows.query_start[r];
+    if (n > 0) min_tokens = std::min(min_tokens, n);
+  }
+  const bool few_items = max_parts > 1 && items < int64_t{2} * threads;
+  const bool by_claims =
+      !by_rows && max_tokens > 1 &&
+      p.kernel != AttentionParams::Kernel::kPartitioned &&
+      (min_tokens < max_tokens ||
+       (p.kernel == AttentionParams::Kernel::kAuto && few_items));
   const bool partitioned =
       p.kernel == AttentionParams::Kernel::kPartitioned ||
-      (p.kernel == AttentionParams::Kernel::kAuto && max_parts > 1 &&
-       items < int64_t{2} * threads && !(threads == 1 && by_rows));
+      (p.kernel == AttentionParams::Kernel::kAuto && few_items &&
+       !(threads == 1 && by_rows) && !by_claims);
   auto run = [&](const std::function<void(int64_t)>& fn, int64_t n) {
     if (pool != nullptr) {
       pool->ParallelFor(n, fn);
@@ -1495,22 +1518,11 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
     }
   };
   constexpr int64_t kChunk = A::kChunk;
-  // Calls whose rows hold different numbers of query tokens (a prefill
-  // chunk beside decode rows) take UnevenClaims' claims instead of
-  // ClaimSize's, whose rows of equal work they are not; rows of up to
-  // RowTokens query tokens then are items over every KV head, as in calls
-  // of such rows alone.
-  int64_t min_tokens = max_tokens;
-  for (int64_t r = 0; r < rows.num_real; ++r) {
-    const int64_t n = rows.query_start[r + 1] - rows.query_start[r];
-    if (n > 0) min_tokens = std::min(min_tokens, n);
-  }
-  const bool uneven = !by_rows && min_tokens < max_tokens;
   // Virtual heads of one chunk of one item, for which Partial writes its
   // results (by rows: a row's every token, at most RowTokens).
   const int64_t item_heads_max =
       std::max((by_rows ? max_tokens : kChunk) * G * heads_per_item,
-               uneven ? a.RowTokens() * G * kvh : int64_t{0});
+               by_claims ? a.RowTokens() * G * kvh : int64_t{0});
   // Items with a scratch per participating thread, reused across its items
   // (a fresh one per item cost a malloc and a memset of tens of KB each)
   // and kept by the thread for its next call (ScratchLease). Items are
@@ -1639,7 +1651,7 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
       }
     }
   };
-  if (!partitioned && uneven) {
+  if (by_claims) {
     uneven_claim_calls.fetch_add(1, std::memory_order_relaxed);
     const std::vector<internal::ItemClaim> claims = UnevenClaimsOf(
         rows, kvh, threads, kChunk, a.RowTokens(), [&](int64_t r, int64_t qi) {

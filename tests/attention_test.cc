@@ -2829,6 +2829,54 @@ TEST(PagedAttention, MixedBatchMatchesItsPartsBitForBit) {
   }
 }
 
+// A prefill chunk of one KV head alone is one item: kAuto takes it by
+// UnevenClaims' pieces (by chunks of query tokens) rather than by v2's
+// partitions, with the single pass's output bit for bit, on one thread and
+// two; kPartitioned still takes v2 (no claims).
+TEST(PagedAttention, FewPrefillItemsTakeClaimsNotPartitions) {
+  std::mt19937_64 rng(12);
+  std::uniform_real_distribution<float> uni(-1, 1);
+  auto cache = SmallCache(DType::kBFloat16, 80, 16, 1, 64);
+  for (const Tensor* t : {&cache->key(0), &cache->value(0)}) {
+    auto* raw = static_cast<uint16_t*>(t->raw_data());
+    for (size_t i = 0; i < t->nbytes() / 2; ++i) {
+      raw[i] = FloatToBF16(uni(rng));
+    }
+  }
+  AttentionRows rows;
+  rows.num_real = 1;
+  rows.width = 70;
+  rows.query_start = {0, 200};
+  rows.seq_lens = {1100};  // 3 partitions of 512 keys
+  rows.block_tables.resize(70);
+  std::iota(rows.block_tables.begin(), rows.block_tables.end(), 5);
+  std::shuffle(rows.block_tables.begin(), rows.block_tables.end(), rng);
+  std::vector<float> qraw(size_t{200} * 4 * 64);
+  for (float& x : qraw) x = uni(rng);
+  const Tensor q = Activations(DType::kBFloat16, {200, 4, 64}, qraw);
+  auto bytes = [](const Tensor& t) {
+    const auto* b = static_cast<const uint8_t*>(t.raw_data());
+    return std::vector<uint8_t>(b, b + t.nbytes());
+  };
+  for (int threads : {1, 2}) {
+    SCOPED_TRACE(::testing::Message() << threads << " threads");
+    ThreadPool pool(threads);
+    AttentionParams p;
+    p.parallel_min_bytes = 0;
+    Tensor single, auto_out, v2;
+    p.kernel = AttentionParams::Kernel::kSinglePass;
+    ASSERT_TRUE(PagedAttention(*cache, 0, q, rows, p, &pool, &single).ok());
+    const int64_t before = internal::UnevenClaimCalls();
+    p.kernel = AttentionParams::Kernel::kAuto;
+    ASSERT_TRUE(PagedAttention(*cache, 0, q, rows, p, &pool, &auto_out).ok());
+    EXPECT_EQ(internal::UnevenClaimCalls(), before + 1);
+    EXPECT_TRUE(bytes(auto_out) == bytes(single));
+    p.kernel = AttentionParams::Kernel::kPartitioned;
+    ASSERT_TRUE(PagedAttention(*cache, 0, q, rows, p, &pool, &v2).ok());
+    EXPECT_EQ(internal::UnevenClaimCalls(), before + 1);
+  }
+}
+
 // Each thread keeps its kernel scratch from call to call (ScratchLease):
 // a call's output must not depend on what the thread ran before. A decode
 // call (bf16, vLLM rows) is run on a thread's fresh scratch, then after a
