@@ -1492,7 +1492,7 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   // assume rows of equal work (a 512-token chunk beside 16 decode rows on
   // two threads: 1.73-1.85x the time of the two calls apart), and v2's
   // partitions for few items (a 512-token chunk of one or two KV heads)
-  // took 1.33-1.48x the time of the claims on one thread or two; calls of
+  // took 1.33-1.50x the time of the claims on one thread or two; calls of
   // equal prefill rows and enough items keep ClaimSize's, which the claims
   // matched within 0-2% (docs/attention.md, session 71).
   int64_t min_tokens = max_tokens;

@@ -52,7 +52,9 @@ struct AttentionParams {
   float k_scale = 1;                // fp8 caches: stored = saturate(x / scale)
   float v_scale = 1;
   // kAuto: the partitioned kernel where a call's items are fewer than
-  // twice its threads and its rows span several partitions; and, where
+  // twice its threads and its rows span several partitions, unless it has
+  // prefill rows (more than one query token), which the single pass then
+  // takes in pieces of query tokens over the threads (session 71); and, where
   // BestLongRowRanges (not on AMD), decode calls of per-KV-head items in
   // the vLLM layout (16-bit and fp32 caches, the AVX-512 build) whose rows
   // of 2 MiB of K/V a KV head or more (at head 128: 4096 16-bit keys, 2048
