@@ -463,6 +463,26 @@ std::unique_ptr<KvCache> SmallCache(DType dtype, int64_t num_blocks, int64_t bs,
   return *KvCache::Create(c, CpuDevice());
 }
 
+// A tensor's bytes, for tests that compare outputs bit for bit.
+std::vector<uint8_t> TensorBytes(const Tensor& t) {
+  const auto* b = static_cast<const uint8_t*>(t.raw_data());
+  return std::vector<uint8_t>(b, b + t.nbytes());
+}
+
+// Fills a bf16 cache's keys and values (every layer) with values from
+// [-1, 1).
+void FillBf16Cache(KvCache& cache, std::mt19937_64& rng) {
+  std::uniform_real_distribution<float> uni(-1, 1);
+  for (int64_t l = 0; l < cache.config().num_layers; ++l) {
+    for (const Tensor* t : {&cache.key(l), &cache.value(l)}) {
+      auto* raw = static_cast<uint16_t*>(t->raw_data());
+      for (size_t i = 0; i < t->nbytes() / 2; ++i) {
+        raw[i] = FloatToBF16(uni(rng));
+      }
+    }
+  }
+}
+
 // One decode row of n tokens whose block table is `table`.
 AttentionRows OneDecodeRow(int64_t n, std::vector<int64_t> table) {
   AttentionRows rows;
@@ -2756,12 +2776,7 @@ TEST(PagedAttention, MixedBatchMatchesItsPartsBitForBit) {
     c.dtype = DType::kBFloat16;
     c.layout = layout;
     auto cache = *KvCache::Create(c, CpuDevice());
-    for (const Tensor* t : {&cache->key(0), &cache->value(0)}) {
-      auto* raw = static_cast<uint16_t*>(t->raw_data());
-      for (size_t i = 0; i < t->nbytes() / 2; ++i) {
-        raw[i] = FloatToBF16(uni(rng));
-      }
-    }
+    FillBf16Cache(*cache, rng);
     // Row 0: a chunk of 300 query tokens ending at 900 keys; rows 1-5
     // decode rows of 40-1000 keys.
     const std::vector<int64_t> tokens = {300, 1, 1, 1, 1, 1};
@@ -2799,10 +2814,6 @@ TEST(PagedAttention, MixedBatchMatchesItsPartsBitForBit) {
         std::vector<float>(qraw.begin() + kChunkFloats, qraw.end()));
     AttentionParams p;
     p.parallel_min_bytes = 0;  // both threads, however small the call
-    auto bytes = [](const Tensor& t) {
-      const auto* b = static_cast<const uint8_t*>(t.raw_data());
-      return std::vector<uint8_t>(b, b + t.nbytes());
-    };
     for (int threads : {1, 2}) {
       SCOPED_TRACE(::testing::Message() << threads << " threads");
       ThreadPool pool(threads);
@@ -2821,10 +2832,10 @@ TEST(PagedAttention, MixedBatchMatchesItsPartsBitForBit) {
                                  &out_decode)
                       .ok());
       EXPECT_EQ(internal::UnevenClaimCalls(), before + 1);
-      std::vector<uint8_t> parts = bytes(out_chunk);
-      const std::vector<uint8_t> d = bytes(out_decode);
+      std::vector<uint8_t> parts = TensorBytes(out_chunk);
+      const std::vector<uint8_t> d = TensorBytes(out_decode);
       parts.insert(parts.end(), d.begin(), d.end());
-      EXPECT_TRUE(bytes(out) == parts);
+      EXPECT_TRUE(TensorBytes(out) == parts);
     }
   }
 }
@@ -2837,12 +2848,7 @@ TEST(PagedAttention, FewPrefillItemsTakeClaimsNotPartitions) {
   std::mt19937_64 rng(12);
   std::uniform_real_distribution<float> uni(-1, 1);
   auto cache = SmallCache(DType::kBFloat16, 80, 16, 1, 64);
-  for (const Tensor* t : {&cache->key(0), &cache->value(0)}) {
-    auto* raw = static_cast<uint16_t*>(t->raw_data());
-    for (size_t i = 0; i < t->nbytes() / 2; ++i) {
-      raw[i] = FloatToBF16(uni(rng));
-    }
-  }
+  FillBf16Cache(*cache, rng);
   AttentionRows rows;
   rows.num_real = 1;
   rows.width = 70;
@@ -2854,10 +2860,6 @@ TEST(PagedAttention, FewPrefillItemsTakeClaimsNotPartitions) {
   std::vector<float> qraw(size_t{200} * 4 * 64);
   for (float& x : qraw) x = uni(rng);
   const Tensor q = Activations(DType::kBFloat16, {200, 4, 64}, qraw);
-  auto bytes = [](const Tensor& t) {
-    const auto* b = static_cast<const uint8_t*>(t.raw_data());
-    return std::vector<uint8_t>(b, b + t.nbytes());
-  };
   for (int threads : {1, 2}) {
     SCOPED_TRACE(::testing::Message() << threads << " threads");
     ThreadPool pool(threads);
@@ -2870,7 +2872,7 @@ TEST(PagedAttention, FewPrefillItemsTakeClaimsNotPartitions) {
     p.kernel = AttentionParams::Kernel::kAuto;
     ASSERT_TRUE(PagedAttention(*cache, 0, q, rows, p, &pool, &auto_out).ok());
     EXPECT_EQ(internal::UnevenClaimCalls(), before + 1);
-    EXPECT_TRUE(bytes(auto_out) == bytes(single));
+    EXPECT_TRUE(TensorBytes(auto_out) == TensorBytes(single));
     p.kernel = AttentionParams::Kernel::kPartitioned;
     ASSERT_TRUE(PagedAttention(*cache, 0, q, rows, p, &pool, &v2).ok());
     EXPECT_EQ(internal::UnevenClaimCalls(), before + 1);
@@ -2929,16 +2931,12 @@ TEST(PagedAttention, KeptScratchLeavesNoTraceInTheNextCall) {
   const Tensor q_b = random_tensor(DType::kFloat32, {40, 3, 80});
 
   AttentionParams p;
-  auto bits = [](const Tensor& t) {
-    const auto* b = static_cast<const uint8_t*>(t.raw_data());
-    return std::vector<uint8_t>(b, b + t.nbytes());
-  };
   auto run = [&](const KvCache& cache, const Tensor& q,
                  const AttentionRows& rows, ThreadPool* pool) {
     Tensor out;
     const absl::Status s = PagedAttention(cache, 0, q, rows, p, pool, &out);
     EXPECT_TRUE(s.ok()) << s;
-    return bits(out);
+    return TensorBytes(out);
   };
   for (int threads : {1, 2}) {
     SCOPED_TRACE(::testing::Message() << threads << " threads");
