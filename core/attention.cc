@@ -1492,7 +1492,8 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   // assume rows of equal work (a 512-token chunk beside 16 decode rows on
   // two threads: 1.73-1.85x the time of the two calls apart), and v2's
   // partitions for few items (a 512-token chunk of one or two KV heads)
-  // took 1.33-1.50x the time of the claims on one thread or two; calls of
+  // took 1.33-1.50x the time of the claims on one thread or two, and a
+  // chunk of one KV head within one partition ran on one thread; calls of
   // equal prefill rows and enough items keep ClaimSize's, which the claims
   // matched within 0-2% (docs/attention.md, session 71).
   int64_t min_tokens = max_tokens;
@@ -1500,7 +1501,7 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
     const int64_t n = rows.query_start[r + 1] - rows.query_start[r];
     if (n > 0) min_tokens = std::min(min_tokens, n);
   }
-  const bool few_items = max_parts > 1 && items < int64_t{2} * threads;
+  const bool few_items = items < int64_t{2} * threads;
   const bool by_claims =
       !by_rows && max_tokens > 1 &&
       p.kernel != AttentionParams::Kernel::kPartitioned &&
@@ -1508,8 +1509,8 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
        (p.kernel == AttentionParams::Kernel::kAuto && few_items));
   const bool partitioned =
       p.kernel == AttentionParams::Kernel::kPartitioned ||
-      (p.kernel == AttentionParams::Kernel::kAuto && few_items &&
-       !(threads == 1 && by_rows) && !by_claims);
+      (p.kernel == AttentionParams::Kernel::kAuto && max_parts > 1 &&
+       few_items && !(threads == 1 && by_rows) && !by_claims);
   auto run = [&](const std::function<void(int64_t)>& fn, int64_t n) {
     if (pool != nullptr) {
       pool->ParallelFor(n, fn);

@@ -2842,8 +2842,8 @@ TEST(PagedAttention, MixedBatchMatchesItsPartsBitForBit) {
 
 // A prefill chunk of one KV head alone is one item: kAuto takes it by
 // UnevenClaims' pieces (by chunks of query tokens) rather than by v2's
-// partitions, with the single pass's output bit for bit, on one thread and
-// two; kPartitioned still takes v2 (no claims).
+// partitions or on one thread, with the single pass's output bit for
+// bit, on one thread and two; kPartitioned still takes v2 (no claims).
 TEST(PagedAttention, FewPrefillItemsTakeClaimsNotPartitions) {
   std::mt19937_64 rng(12);
   std::uniform_real_distribution<float> uni(-1, 1);
@@ -2853,15 +2853,18 @@ TEST(PagedAttention, FewPrefillItemsTakeClaimsNotPartitions) {
   rows.num_real = 1;
   rows.width = 70;
   rows.query_start = {0, 200};
-  rows.seq_lens = {1100};  // 3 partitions of 512 keys
   rows.block_tables.resize(70);
   std::iota(rows.block_tables.begin(), rows.block_tables.end(), 5);
   std::shuffle(rows.block_tables.begin(), rows.block_tables.end(), rng);
   std::vector<float> qraw(size_t{200} * 4 * 64);
   for (float& x : qraw) x = uni(rng);
   const Tensor q = Activations(DType::kBFloat16, {200, 4, 64}, qraw);
-  for (int threads : {1, 2}) {
-    SCOPED_TRACE(::testing::Message() << threads << " threads");
+  // 1100 keys: 3 partitions of 512 (v2 before); 300: one (one thread).
+  for (auto [keys, threads] :
+       {std::pair<int64_t, int>{1100, 1}, {1100, 2}, {300, 1}, {300, 2}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << keys << " keys, " << threads << " threads");
+    rows.seq_lens = {keys};
     ThreadPool pool(threads);
     AttentionParams p;
     p.parallel_min_bytes = 0;
