@@ -1484,18 +1484,18 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
     }
   }
   // Calls with prefill rows (more than one query token; not read by rows)
-  // of different sizes, or of fewer items than kAuto's v2 takes, take
-  // UnevenClaims' claims: the rows' work (query tokens x keys) in claims
-  // of about a 32nd of a thread's, by KV heads and by chunks, rows of up
-  // to RowTokens query tokens (decode rows beside a chunk) as items over
-  // every KV head, as in calls of such rows alone. ClaimSize's claims
+  // of different sizes, or (kAuto) of fewer (row, KV head) items than
+  // twice the threads, take UnevenClaims' claims: the rows' work (query tokens
+  // x keys) in claims of about a 32nd of a thread's, by KV heads and by chunks,
+  // rows of up to RowTokens query tokens (decode rows beside a chunk) as items
+  // over every KV head, as in calls of such rows alone. ClaimSize's claims
   // assume rows of equal work (a 512-token chunk beside 16 decode rows on
   // two threads: 1.73-1.85x the time of the two calls apart), and v2's
   // partitions for few items (a 512-token chunk of one or two KV heads)
   // took 1.33-1.50x the time of the claims on one thread or two, and a
   // chunk of one KV head within one partition ran on one thread; calls of
-  // equal prefill rows and enough items keep ClaimSize's, which the claims
-  // matched within 0-2% (docs/attention.md, session 71).
+  // equal prefill rows and enough items keep ClaimSize's (the claims took
+  // 1.00-1.02x their time there; docs/attention.md, session 71).
   int64_t min_tokens = max_tokens;
   for (int64_t r = 0; r < rows.num_real; ++r) {
     const int64_t n = rows.query_start[r + 1] - rows.query_start[r];
