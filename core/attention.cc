@@ -1405,10 +1405,12 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   // a row's KV heads at once (Attender::RowTokens: the NHD layout, rows of
   // few query tokens; the vLLM layout, decode rows); heads [h0, h1) of an
   // item's row.
-  int64_t max_tokens = 0;
+  // Query tokens of the longest row, and of the shortest with any.
+  int64_t max_tokens = 0, min_tokens = std::numeric_limits<int64_t>::max();
   for (int64_t r = 0; r < rows.num_real; ++r) {
-    max_tokens =
-        std::max(max_tokens, rows.query_start[r + 1] - rows.query_start[r]);
+    const int64_t n = rows.query_start[r + 1] - rows.query_start[r];
+    max_tokens = std::max(max_tokens, n);
+    if (n > 0) min_tokens = std::min(min_tokens, n);
   }
   const bool by_rows = a.RowTokens() > 0 && max_tokens <= a.RowTokens();
   const int64_t heads_per_item = by_rows ? kvh : 1;
@@ -1496,11 +1498,6 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   // chunk of one KV head within one partition ran on one thread; calls of
   // equal prefill rows and enough items keep ClaimSize's (the claims took
   // 1.00-1.02x their time there; docs/attention.md, session 71).
-  int64_t min_tokens = max_tokens;
-  for (int64_t r = 0; r < rows.num_real; ++r) {
-    const int64_t n = rows.query_start[r + 1] - rows.query_start[r];
-    if (n > 0) min_tokens = std::min(min_tokens, n);
-  }
   const bool few_items = items < int64_t{2} * threads;
   const bool by_claims =
       !by_rows && max_tokens > 1 &&
@@ -1524,26 +1521,36 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
   const int64_t item_heads_max =
       std::max((by_rows ? max_tokens : kChunk) * G * heads_per_item,
                by_claims ? a.RowTokens() * G * kvh : int64_t{0});
-  // Items with a scratch per participating thread, reused across its items
-  // (a fresh one per item cost a malloc and a memset of tens of KB each)
-  // and kept by the thread for its next call (ScratchLease). Items are
-  // claimed from a counter, g consecutive ones at a time, so uneven ones
-  // still balance.
-  auto run_items = [&](const std::function<void(Scratch&, int64_t)>& fn,
-                       int64_t n, int64_t g) {
-    std::atomic<int64_t> next{0};
+  // body(scratch, k) on `tasks` participating threads (k: the task), each
+  // with a scratch reused across its items (a fresh one per item cost a
+  // malloc and a memset of tens of KB each) and kept by the thread for its
+  // next call (ScratchLease).
+  auto on_threads = [&](int64_t tasks,
+                        const std::function<void(Scratch&, int64_t)>& body) {
     run(
-        [&](int64_t) {
+        [&](int64_t k) {
           ScratchLease lease;
           Scratch& scratch = lease.get();
           scratch.m.resize(item_heads_max);
           scratch.s.resize(item_heads_max);
           scratch.acc.resize(item_heads_max * D);
-          for (int64_t i = next.fetch_add(g); i < n; i = next.fetch_add(g)) {
-            for (int64_t j = i; j < std::min(n, i + g); ++j) fn(scratch, j);
-          }
+          body(scratch, k);
         },
-        std::min(threads, (n + g - 1) / g));
+        tasks);
+  };
+  // Items claimed from a counter, g consecutive ones at a time, so uneven
+  // ones still balance.
+  auto run_items = [&](const std::function<void(Scratch&, int64_t)>& fn,
+                       int64_t n, int64_t g) {
+    std::atomic<int64_t> next{0};
+    on_threads(
+        std::min(threads, (n + g - 1) / g), [&](Scratch& scratch, int64_t) {
+          for (int64_t i = next.fetch_add(g); i < n; i = next.fetch_add(g)) {
+            for (int64_t j = i; j < std::min(n, i + g); ++j) {
+              fn(scratch, j);
+            }
+          }
+        });
   };
   if (long_rows) {
     // Each row in kLongRowRange-key ranges, every KV head's range in
@@ -1686,26 +1693,21 @@ void Run(const KvCache& cache, int64_t layer, const Tensor& query,
         }
       }
     };
-    run(
-        [&](int64_t k) {
-          ScratchLease lease;
-          Scratch& scratch = lease.get();
-          scratch.m.resize(item_heads_max);
-          scratch.s.resize(item_heads_max);
-          scratch.acc.resize(item_heads_max * D);
-          const bool from_back = k % 2 == 1;
-          for (int64_t i = claim(from_back); i >= 0; i = claim(from_back)) {
-            const internal::ItemClaim& c = claims[i];
-            if (c.whole) {
-              item(scratch, c.row, 0, kvh, c.q0, c.q1);
-              continue;
-            }
-            for (int64_t h = c.h0; h < c.h1; ++h) {
-              item(scratch, c.row, h, h + 1, c.q0, c.q1);
-            }
-          }
-        },
-        std::min<int64_t>(threads, static_cast<int64_t>(n)));
+    on_threads(std::min<int64_t>(threads, static_cast<int64_t>(n)),
+               [&](Scratch& scratch, int64_t k) {
+                 const bool from_back = k % 2 == 1;
+                 for (int64_t i = claim(from_back); i >= 0;
+                      i = claim(from_back)) {
+                   const internal::ItemClaim& c = claims[i];
+                   if (c.whole) {
+                     item(scratch, c.row, 0, kvh, c.q0, c.q1);
+                     continue;
+                   }
+                   for (int64_t h = c.h0; h < c.h1; ++h) {
+                     item(scratch, c.row, h, h + 1, c.q0, c.q1);
+                   }
+                 }
+               });
     return;
   }
   if (!partitioned) {
